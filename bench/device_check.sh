@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# bench/device_check.sh [RESULTS_DIR]
+#
+# The one prepared check for a machine with an NVIDIA GPU and no network (SPEC section 6):
+# builds headwise in place against that machine's torch (sm_90 + PTX, ptxas reports kept),
+# runs the CUDA tests, compute-sanitizer memcheck and racecheck on small cases, then the
+# GPU benchmarks. Each stage has its own time limit so the whole stays inside 9 minutes;
+# a failing stage is reported and the next one still runs. Everything lands in
+# RESULTS_DIR (default ./device_results): device_check.log, build.log, ptxas.txt,
+# cuda_tests.xml, bench_mhar.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-device_results}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+exec > >(tee -a "$OUT_DIR/device_check.log") 2>&1
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+status=0
+stage() { echo; echo "=== $1  ($(date +%H:%M:%S))"; }
+fail() { echo "!!! stage failed: $1"; status=1; }
+
+stage "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || fail nvidia-smi
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || fail torch
+
+stage "build (sm_90 + PTX, in place)"
+rm -rf build python/headwise/_C*.so python/headwise/_sim*.so
+if HEADWISE_FORCE_CUDA=1 HEADWISE_PTXAS_VERBOSE=1 HEADWISE_CUDA_ARCHS="${HEADWISE_CUDA_ARCHS:-90}" \
+   MAX_JOBS=$(nproc) timeout 300 $PY setup.py build_ext --inplace > "$OUT_DIR/build.log" 2>&1; then
+  grep -E "ptxas info|bytes stack frame|spill" "$OUT_DIR/build.log" > "$OUT_DIR/ptxas.txt" || true
+  echo "ptxas: $(grep -c 'Used' "$OUT_DIR/ptxas.txt") kernel reports; spills:"
+  grep -E "[1-9][0-9]* bytes spill" "$OUT_DIR/ptxas.txt" || echo "  none"
+else
+  tail -40 "$OUT_DIR/build.log"; fail build
+  exit 1
+fi
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+
+stage "CUDA tests"
+(cd tests && timeout 150 $PY -m pytest -q -ra -k cuda --junitxml="$OUT_DIR/cuda_tests.xml" .) || fail "cuda tests"
+
+stage "compute-sanitizer memcheck + racecheck (small cases)"
+for tool in memcheck racecheck; do
+  timeout 90 compute-sanitizer --tool "$tool" --error-exitcode 9 $PY bench/sanitize_cases.py \
+    > "$OUT_DIR/sanitizer_$tool.log" 2>&1 || fail "compute-sanitizer $tool"
+  tail -3 "$OUT_DIR/sanitizer_$tool.log"
+done
+
+stage "GPU benchmarks"
+timeout 180 $PY -m headwise.bench mhar --device cuda --json "$OUT_DIR/bench_mhar.json" || fail bench
+
+stage "done (status $status)"
+exit $status

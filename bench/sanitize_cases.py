@@ -1,0 +1,26 @@
+"""Small CUDA cases for compute-sanitizer (bench/device_check.sh): every kernel layout of
+every op, forward and backward, on shapes small enough for memcheck/racecheck."""
+
+import torch
+
+import headwise
+
+# (N, B, T, d, H) covering vec8 segment / warps / generic and the scalar paths.
+MHAR_CASES = [(3, 2, 5, 96, 3), (5, 1, 7, 123, 3), (4, 1, 3, 2048, 2), (2, 3, 1, 96, 4), (7, 1, 5, 20, 5)]
+
+
+def main():
+    torch.manual_seed(0)
+    for n, b, t, d, h in MHAR_CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            sources = torch.randn(n, b, t, d, device="cuda", dtype=dtype, requires_grad=True)
+            query = torch.randn(d, device="cuda", requires_grad=True)
+            norm_weight = torch.ones(d, device="cuda", requires_grad=True)
+            out = headwise.mhar_route(sources, query, norm_weight, num_heads=h)
+            out.float().sum().backward()
+    torch.cuda.synchronize()
+    print("sanitize_cases: ok")
+
+
+if __name__ == "__main__":
+    main()

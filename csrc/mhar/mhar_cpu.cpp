@@ -1,0 +1,336 @@
+// CPU kernels of MHAR routing (math: mhar_kernel.cuh). Positions run in parallel with
+// at::parallel_for; within a position the loops run over the contiguous d axis so that
+// the compiler vectorizes them, and the hot functions are compiled for AVX-512, AVX2
+// and baseline x86-64 with runtime selection (target_clones).
+//
+// Forward, per position: one pass over the N rows with the running-max softmax.
+// Backward, per position: pass 1 forms r_n, a[n,h] = <dout_h, s_n[h]> and S_h; pass 2
+// re-reads each row (from cache) and emits ds_n and the dq/dg contributions. dq and dg
+// are summed per fixed chunk of kChunk positions and then over chunks in order, so the
+// result does not depend on the number of threads.
+#include "../common/cpu_convert.h"
+#include "../common/op_range.h"
+#include "../common/outputs.h"
+#include "mhar_args.h"
+#include "mhar_ops.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#define HW_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define HW_CPU_CLONES
+#endif
+
+namespace headwise {
+namespace mhar {
+namespace {
+
+constexpr int64_t kChunk = 16;  // positions per dq/dg partial in the backward
+
+// Sum of x[j] * y[j] over j < n: 16 independent lanes (vectorizable) over blocks of at
+// most 128 elements, blocks combined pairwise; the order is fixed, and the rounding
+// error grows with log(n) rather than n.
+template <typename A>
+inline A dot(const A* __restrict x, const A* __restrict y, int64_t n) {
+  if (n > 128) {
+    const int64_t half = (n / 2 + 15) / 16 * 16;
+    return dot(x, y, half) + dot(x + half, y + half, n - half);
+  }
+  A part[16] = {};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int k = 0; k < 16; ++k) part[k] += x[j + k] * y[j + k];
+  A s = 0;
+  for (; j < n; ++j) s += x[j] * y[j];
+  for (int w = 8; w > 0; w /= 2)
+    for (int k = 0; k < w; ++k) part[k] += part[k + w];
+  return s + part[0];
+}
+
+template <typename T, typename A>
+inline void to_acc(const T* __restrict src, A* __restrict dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<A>(src[j]);
+}
+
+// Everything a chunk of positions needs; pointers are typed by the caller's T and A.
+struct Call {
+  const void* sources;
+  int64_t sn, sb, st;
+  const void* query;
+  const void* norm_weight;
+  const void* residual;
+  int64_t rb, rt;
+  const void* grad_out;
+  void* out;       // forward: out [B, T, d]; backward: grad_sources [N_max, B, T, d]
+  void* weights;   // [N, B, T, H] in A
+  void* partial;   // backward: [chunks, 2, d] in A
+  int64_t seq, positions, d, heads, head_dim, num_sources;
+  double eps;
+};
+
+// ug[j] = round_T(x[j] * r) * g[j]
+template <typename T, typename A>
+inline void scaled_key(const A* __restrict x, const A* __restrict g, A r, A* __restrict ug, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) ug[j] = cpu::round_to<T>(x[j] * r) * g[j];
+}
+
+// acc[k] = acc[k] * alpha + p * x[k]
+template <typename A>
+inline void rescale_add(A* __restrict acc, const A* __restrict x, A alpha, A p, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] * alpha + p * x[k];
+}
+
+// out[k] = T(acc[k] * inv (+ res[k]))
+template <typename T, typename A>
+inline void normalize_store(const A* __restrict acc, A inv, const T* __restrict res, T* __restrict out, int64_t n) {
+  if (res == nullptr) {
+    for (int64_t k = 0; k < n; ++k) out[k] = cpu::to_storage<T>(acc[k] * inv);
+  } else {
+    for (int64_t k = 0; k < n; ++k) out[k] = cpu::to_storage<T>(acc[k] * inv + static_cast<A>(res[k]));
+  }
+}
+
+// One head's slice of pass 2 of the backward (see the file comment of mhar_kernel.cuh):
+//   ds[k] = w dout[k] + r dl q[k] g[k] - r^3 c x[k] / d,  dq[k] += dl g[k] u[k],  dg[k] += dl q[k] u[k]
+template <typename T, typename A>
+inline void emit_source_grad(const A* __restrict x, const A* __restrict dout, const A* __restrict q,
+                             const A* __restrict g, const A* __restrict qg, A r, A wv, A dl, A r3c,
+                             T* __restrict ds, A* __restrict dq, A* __restrict dg, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    const A u = cpu::round_to<T>(x[k] * r);
+    ds[k] = cpu::to_storage<T>(wv * dout[k] + r * dl * qg[k] - r3c * x[k]);
+    dq[k] += dl * g[k] * u;
+    dg[k] += dl * q[k] * u;
+  }
+}
+
+template <typename T, typename A>
+inline void forward_positions(const Call& c, int64_t p0, int64_t p1) {
+  const int64_t d = c.d, H = c.heads, K = c.head_dim, N = c.num_sources;
+  const A* q = static_cast<const A*>(c.query);
+  const A* g = static_cast<const A*>(c.norm_weight);
+  A* w = static_cast<A*>(c.weights);
+  std::vector<A> buf(3 * d + 2 * H);
+  A* x = buf.data();
+  A* ug = x + d;
+  A* acc = ug + d;
+  A* mx = acc + d;
+  A* den = mx + H;
+  for (int64_t pos = p0; pos < p1; ++pos) {
+    const int64_t b = pos / c.seq, t = pos % c.seq;
+    const T* src = static_cast<const T*>(c.sources) + b * c.sb + t * c.st;
+    std::fill(acc, acc + d, A(0));
+    std::fill(mx, mx + H, -INFINITY);
+    std::fill(den, den + H, A(0));
+    for (int64_t n = 0; n < N; ++n) {
+      to_acc(src + n * c.sn, x, d);
+      const A r = A(1) / std::sqrt(dot(x, x, d) / static_cast<A>(d) + static_cast<A>(c.eps));
+      scaled_key<T>(x, g, r, ug, d);
+      for (int64_t h = 0; h < H; ++h) {
+        const A l = dot(ug + h * K, q + h * K, K);
+        const A new_max = std::max(mx[h], l);
+        const A alpha = std::exp(mx[h] - new_max);
+        const A p = std::exp(l - new_max);
+        den[h] = den[h] * alpha + p;
+        mx[h] = new_max;
+        rescale_add(acc + h * K, x + h * K, alpha, p, K);
+        w[(n * c.positions + pos) * H + h] = l;  // raw logit; normalized below
+      }
+    }
+    T* out = static_cast<T*>(c.out) + pos * d;
+    const T* res = c.residual == nullptr ? nullptr : static_cast<const T*>(c.residual) + b * c.rb + t * c.rt;
+    for (int64_t h = 0; h < H; ++h) {
+      const A inv = A(1) / den[h];
+      normalize_store(acc + h * K, inv, res == nullptr ? nullptr : res + h * K, out + h * K, K);
+      for (int64_t n = 0; n < N; ++n) {
+        A& wv = w[(n * c.positions + pos) * H + h];
+        wv = std::exp(wv - mx[h]) * inv;
+      }
+    }
+  }
+}
+
+template <typename T, typename A>
+inline void backward_chunk(const Call& c, int64_t chunk) {
+  const int64_t d = c.d, H = c.heads, K = c.head_dim, N = c.num_sources;
+  const A* q = static_cast<const A*>(c.query);
+  const A* g = static_cast<const A*>(c.norm_weight);
+  const A* w = static_cast<const A*>(c.weights);
+  A* dq = static_cast<A*>(c.partial) + chunk * 2 * d;
+  A* dg = dq + d;
+  std::fill(dq, dq + 2 * d, A(0));
+  std::vector<A> buf(3 * d + 2 * N * H + N + H);
+  A* x = buf.data();
+  A* dout = x + d;
+  A* qg = dout + d;
+  A* dot_ho = qg + d;  // a[n, h] = <dout_h, s_n[h]>
+  A* dl = dot_ho + N * H;  // dl[n, h]
+  A* rn = dl + N * H;
+  A* coupling = rn + N;  // S_h
+  for (int64_t j = 0; j < d; ++j) qg[j] = q[j] * g[j];
+  const A inv_d = A(1) / static_cast<A>(d);
+  const int64_t p1 = std::min(c.positions, (chunk + 1) * kChunk);
+  for (int64_t pos = chunk * kChunk; pos < p1; ++pos) {
+    const int64_t b = pos / c.seq, t = pos % c.seq;
+    const T* src = static_cast<const T*>(c.sources) + b * c.sb + t * c.st;
+    const A* wpos = w + pos * H;
+    const int64_t wstride = c.positions * H;
+    to_acc(static_cast<const T*>(c.grad_out) + pos * d, dout, d);
+    std::fill(coupling, coupling + H, A(0));
+    for (int64_t n = 0; n < N; ++n) {  // pass 1
+      to_acc(src + n * c.sn, x, d);
+      rn[n] = A(1) / std::sqrt(dot(x, x, d) * inv_d + static_cast<A>(c.eps));
+      for (int64_t h = 0; h < H; ++h) {
+        const A a = dot(dout + h * K, x + h * K, K);
+        dot_ho[n * H + h] = a;
+        coupling[h] += wpos[n * wstride + h] * a;
+      }
+    }
+    for (int64_t n = 0; n < N; ++n) {  // pass 2
+      to_acc(src + n * c.sn, x, d);
+      const A r = rn[n];
+      A cn = 0;  // c_n = <du_n, s_n> = sum_h dl[n,h] <qg_h, s_n[h]>
+      for (int64_t h = 0; h < H; ++h) {
+        dl[n * H + h] = wpos[n * wstride + h] * (dot_ho[n * H + h] - coupling[h]);
+        cn += dl[n * H + h] * dot(qg + h * K, x + h * K, K);
+      }
+      const A r3c = r * r * r * cn * inv_d;
+      T* ds = static_cast<T*>(c.out) + (n * c.positions + pos) * d;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t o = h * K;
+        emit_source_grad<T>(x + o, dout + o, q + o, g + o, qg + o, r, wpos[n * wstride + h], dl[n * H + h],
+                            r3c, ds + o, dq + o, dg + o, K);
+      }
+    }
+  }
+}
+
+// Non-template, multi-versioned entries: one forward and one backward per dtype.
+#define HW_MHAR_CPU_ENTRIES(T, A, suffix)                                           \
+  HW_CPU_CLONES void forward_##suffix(const Call& c, int64_t p0, int64_t p1) {      \
+    forward_positions<T, A>(c, p0, p1);                                             \
+  }                                                                                 \
+  HW_CPU_CLONES void backward_##suffix(const Call& c, int64_t chunk) {              \
+    backward_chunk<T, A>(c, chunk);                                                 \
+  }
+HW_MHAR_CPU_ENTRIES(float, float, f32)
+HW_MHAR_CPU_ENTRIES(double, double, f64)
+HW_MHAR_CPU_ENTRIES(c10::BFloat16, float, bf16)
+HW_MHAR_CPU_ENTRIES(c10::Half, float, f16)
+#undef HW_MHAR_CPU_ENTRIES
+
+using ForwardFn = void (*)(const Call&, int64_t, int64_t);
+using BackwardFn = void (*)(const Call&, int64_t);
+
+std::pair<ForwardFn, BackwardFn> kernels_for(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return {forward_f32, backward_f32};
+    case at::kDouble: return {forward_f64, backward_f64};
+    case at::kBFloat16: return {forward_bf16, backward_bf16};
+    case at::kHalf: return {forward_f16, backward_f16};
+    default: TORCH_CHECK_TYPE(false, "headwise.mhar_route: unsupported sources dtype ", dtype);
+  }
+}
+
+void check_cpu(const at::Tensor& sources, const char* op) {
+  TORCH_CHECK(sources.device().is_cpu(), "headwise.", op, ": sources is on ", sources.device(),
+              " but the CPU backend takes CPU tensors");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& sources, const at::Tensor& query,
+                                             const at::Tensor& norm_weight, int64_t num_heads,
+                                             int64_t num_sources, double eps,
+                                             const c10::optional<at::Tensor>& residual) {
+  HW_OP_RANGE("headwise::mhar_route");
+  const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
+  check_cpu(sources, "mhar_route");
+  if (residual.has_value()) check_residual(*residual, sources, s);
+  const at::ScalarType acc = weights_dtype(sources);
+  const at::Tensor q = query.to(acc).contiguous();
+  const at::Tensor g = norm_weight.to(acc).contiguous();
+  at::Tensor out = new_output({s.batch, s.seq, s.d}, sources.options());
+  at::Tensor weights = new_output({s.num_sources, s.batch, s.seq, s.heads}, sources.options().dtype(acc));
+
+  Call c{};
+  c.sources = sources.data_ptr();
+  c.sn = sources.stride(0);
+  c.sb = sources.stride(1);
+  c.st = sources.stride(2);
+  c.query = q.data_ptr();
+  c.norm_weight = g.data_ptr();
+  c.residual = residual.has_value() ? residual->data_ptr() : nullptr;
+  c.rb = residual.has_value() ? residual->stride(0) : 0;
+  c.rt = residual.has_value() ? residual->stride(1) : 0;
+  c.out = out.data_ptr();
+  c.weights = weights.data_ptr();
+  c.seq = s.seq;
+  c.positions = s.positions();
+  c.d = s.d;
+  c.heads = s.heads;
+  c.head_dim = s.head_dim;
+  c.num_sources = s.num_sources;
+  c.eps = eps;
+  const ForwardFn forward = kernels_for(sources.scalar_type()).first;
+  const int64_t grain = std::max<int64_t>(1, 32768 / (s.d * s.num_sources));
+  at::parallel_for(0, s.positions(), grain, [&](int64_t p0, int64_t p1) { forward(c, p0, p1); });
+  return {out, weights};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> route_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,
+    const at::Tensor& norm_weight, const at::Tensor& weights, int64_t num_heads,
+    int64_t num_sources, double eps) {
+  HW_OP_RANGE("headwise::mhar_route_backward");
+  const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
+  check_cpu(sources, "mhar_route_backward");
+  check_backward_args(grad_out, sources, weights, s);
+  const at::ScalarType acc = weights_dtype(sources);
+  const at::Tensor dout = grad_out.contiguous();
+  const at::Tensor w = weights.contiguous();
+  const at::Tensor q = query.to(acc).contiguous();
+  const at::Tensor g = norm_weight.to(acc).contiguous();
+  at::Tensor grad_sources = new_output(sources.sizes(), sources.options());
+  if (s.num_sources < s.max_sources)
+    grad_sources.narrow(0, s.num_sources, s.max_sources - s.num_sources).zero_();
+  const int64_t chunks = (s.positions() + kChunk - 1) / kChunk;
+  at::Tensor partial = new_output({chunks, 2, s.d}, sources.options().dtype(acc));
+
+  Call c{};
+  c.sources = sources.data_ptr();
+  c.sn = sources.stride(0);
+  c.sb = sources.stride(1);
+  c.st = sources.stride(2);
+  c.query = q.data_ptr();
+  c.norm_weight = g.data_ptr();
+  c.grad_out = dout.data_ptr();
+  c.out = grad_sources.data_ptr();
+  c.weights = w.data_ptr();
+  c.partial = partial.data_ptr();
+  c.seq = s.seq;
+  c.positions = s.positions();
+  c.d = s.d;
+  c.heads = s.heads;
+  c.head_dim = s.head_dim;
+  c.num_sources = s.num_sources;
+  c.eps = eps;
+  const BackwardFn backward = kernels_for(sources.scalar_type()).second;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t chunk = c0; chunk < c1; ++chunk) backward(c, chunk);
+  });
+  // Second stage: sum the chunk partials in chunk order (a fixed, thread-count-free order).
+  at::Tensor grads = at::zeros({2, s.d}, partial.options());
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) grads.add_(partial[chunk]);
+  return {grad_sources, grads[0].to(query.scalar_type()).clone(),
+          grads[1].to(norm_weight.scalar_type()).clone()};
+}
+
+}  // namespace mhar
+}  // namespace headwise

@@ -1,0 +1,2 @@
+// CUDA backend of the MHAR ops: mhar_launch.h compiled by nvcc.
+#include "mhar_launch.h"

@@ -1,0 +1,405 @@
+// MHAR depth routing: device code of the forward and backward kernels (SPEC section 4).
+// Compiled by nvcc for the GPU and by the host compiler against the SIMT emulator.
+//
+// Notation, per position p = (b, t): sources s_n in R^d for n < N, query q and norm
+// weight g in R^d (fp32), heads h < H of width K = d / H.
+//   r_n      = rsqrt(mean_j s_n[j]^2 + eps)
+//   u_n      = round_T(s_n * r_n)                   (storage-dtype rounding)
+//   l[n,h]   = sum_{j in h} u_n[j] * g[j] * q[j]
+//   w[n,h]   = softmax_n l[n,h]
+//   out[j]   = sum_n w[n,h(j)] s_n[j] (+ residual[j])
+// Backward, given dout:
+//   a[n,h]   = <dout_h, s_n[h]>,   S_h = sum_n w[n,h] a[n,h]
+//   dl[n,h]  = w[n,h] (a[n,h] - S_h)
+//   du_n[j]  = dl[n,h(j)] q[j] g[j],  c_n = <du_n, s_n>
+//   ds_n[j]  = w[n,h(j)] dout[j] + r_n du_n[j] - r_n^3 s_n[j] c_n / d
+//   dq[j]   += dl[n,h(j)] g[j] u_n[j],   dg[j] += dl[n,h(j)] q[j] u_n[j]
+//
+// Thread layout: the row is cut into nvec = d / VEC vectors of VEC elements; thread
+// `tid` owns vectors v = tid + i * blockDim.x for i < ITEMS (v < nvec). VEC divides K,
+// so a vector lies in one head: h(v) = v / kv with kv = K / VEC vectors per head.
+#pragma once
+
+#include "../common/block_reduce.cuh"
+#include "../common/online_softmax.cuh"
+#include "../common/simt_portability.h"
+#include "../common/vec.cuh"
+
+#include <cstdint>
+
+namespace headwise {
+namespace mhar {
+
+// How the per-head sums of a row are formed from per-vector partials.
+enum class HeadReduce : int {
+  kSegment = 0,  // kv a power of two <= 32: a head is an aligned lane segment of a warp
+  kWarps = 1,    // kv a multiple of 32: a head is whole warps; warp sums meet in smem
+  kGeneric = 2,  // anything else: partials in smem, one warp per head
+};
+
+struct FwdParams {
+  const void* sources;       // [N_max, B, T, d], stride-1 last dim
+  const float* query;        // [d]
+  const float* norm_weight;  // [d]
+  const void* residual;      // [B, T, d] or nullptr
+  void* out;                 // [B, T, d] contiguous
+  float* weights;            // [N, B, T, H] contiguous
+  int64_t src_stride_n, src_stride_b, src_stride_t;
+  int64_t res_stride_b, res_stride_t;
+  int64_t seq, positions, d, heads, head_dim;
+  int num_sources;
+  float eps;
+};
+
+struct BwdParams {
+  const void* grad_out;      // [B, T, d] contiguous
+  const void* sources;       // [N_max, B, T, d], stride-1 last dim
+  const float* query;        // [d]
+  const float* norm_weight;  // [d]
+  const float* weights;      // [N, B, T, H] contiguous
+  void* grad_sources;        // [N_max, B, T, d] contiguous; rows < N written here
+  float* grad_query_partial;  // [gridDim.x, d]
+  float* grad_norm_partial;   // [gridDim.x, d]
+  int64_t src_stride_n, src_stride_b, src_stride_t;
+  int64_t seq, positions, d, heads, head_dim;
+  int num_sources;
+  float eps;
+};
+
+// Floats of the per-call head-partial buffer: the warp sums (kWarps) or the vector
+// partials (kGeneric) of one row.
+__host__ __device__ inline int64_t head_partial_floats(HeadReduce mode, int64_t nvec) {
+  return mode == HeadReduce::kSegment ? 0 : (mode == HeadReduce::kWarps ? nvec / 32 : nvec);
+}
+
+// Floats of dynamic shared memory: 2 x 32 for BlockSum, then two head-partial buffers.
+__host__ __device__ inline int64_t smem_floats(HeadReduce mode, int64_t nvec) {
+  return 64 + 2 * head_partial_floats(mode, nvec);
+}
+
+// Replaces each valid item's per-vector partial by the sum over its head. Every thread
+// of the block must make each call. The smem buffer alternates between two halves by
+// call parity (the BlockSum argument): back-to-back calls need no extra barrier.
+template <int ITEMS, HeadReduce MODE>
+class HeadSum {
+ public:
+  __device__ HeadSum(float* buffers, int nvec, int kv, int heads)
+      : buffers_(buffers), nvec_(nvec), kv_(kv), heads_(heads),
+        half_(static_cast<int>(head_partial_floats(MODE, nvec))) {}
+
+  __device__ void operator()(float (&val)[ITEMS]) {
+    float* part = buffers_ + (calls_++ & 1) * half_;
+    const int tid = threadIdx.x;
+    const int nthreads = blockDim.x;
+    if (MODE == HeadReduce::kSegment) {
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) val[i] = hw::warp_segment_sum(val[i], kv_);
+    } else if (MODE == HeadReduce::kWarps) {
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int v = tid + i * nthreads;
+        const float s = hw::warp_sum(val[i]);
+        if ((tid & 31) == 0 && v < nvec_) part[v >> 5] = s;
+      }
+      __syncthreads();
+      const int chunks = kv_ >> 5;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int v = tid + i * nthreads;
+        if (v < nvec_) {
+          const int c0 = (v / kv_) * chunks;
+          float s = 0.f;
+          for (int c = 0; c < chunks; ++c) s += part[c0 + c];
+          val[i] = s;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int v = tid + i * nthreads;
+        if (v < nvec_) part[v] = val[i];
+      }
+      __syncthreads();
+      // Warp w sums heads w, w + nwarps, ...; the sum lands in the head's first slot
+      // once every lane has read the head (the shuffles order the reads before it).
+      const int lane = tid & 31;
+      for (int h = tid >> 5; h < heads_; h += nthreads >> 5) {
+        float s = 0.f;
+        for (int j = lane; j < kv_; j += 32) s += part[h * kv_ + j];
+        s = hw::warp_sum(s);
+        if (lane == 0) part[h * kv_] = s;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int v = tid + i * nthreads;
+        if (v < nvec_) val[i] = part[(v / kv_) * kv_];
+      }
+    }
+  }
+
+ private:
+  float* buffers_;
+  int nvec_, kv_, heads_, half_;
+  unsigned calls_ = 0;
+};
+
+// One block per position. Loop over the N source rows once, folding each row into
+// a [ITEMS, VEC] fp32 accumulator with the running-max softmax. The raw logit of
+// (n, h) is stored by the head's first thread and rescaled into w at the end.
+template <typename T, int VEC, int ITEMS, HeadReduce MODE>
+__global__ void __launch_bounds__(1024) mhar_route_fwd_kernel(const FwdParams p) {
+  const int tid = threadIdx.x;
+  const int nthreads = blockDim.x;
+  const int64_t pos = blockIdx.x;
+  const int64_t b = pos / p.seq;
+  const int64_t t = pos - b * p.seq;
+  const int nvec = static_cast<int>(p.d / VEC);
+  const int kv = static_cast<int>(p.head_dim / VEC);
+  const float inv_d = 1.f / static_cast<float>(p.d);
+
+  float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
+  hw::BlockSum block_sum(smem);
+  HeadSum<ITEMS, MODE> head_sum(smem + 64, nvec, kv, static_cast<int>(p.heads));
+
+  const T* src = static_cast<const T*>(p.sources) + b * p.src_stride_b + t * p.src_stride_t;
+
+  float q[ITEMS][VEC], g[ITEMS][VEC], acc[ITEMS][VEC];
+  hw::OnlineSoftmax sm[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int v = tid + i * nthreads;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      q[i][k] = 0.f;
+      g[i][k] = 0.f;
+      acc[i][k] = 0.f;
+    }
+    if (v < nvec) {
+      hw::load_as_float<VEC>(p.query + v * VEC, q[i]);
+      hw::load_as_float<VEC>(p.norm_weight + v * VEC, g[i]);
+    }
+  }
+
+  for (int n = 0; n < p.num_sources; ++n) {
+    const T* row = src + n * p.src_stride_n;
+    float x[ITEMS][VEC];
+    float sumsq = 0.f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int v = tid + i * nthreads;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) x[i][k] = 0.f;
+      if (v < nvec) hw::load_as_float<VEC>(row + v * VEC, x[i]);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sumsq += x[i][k] * x[i][k];
+    }
+    const float r = rsqrtf(block_sum(sumsq) * inv_d + p.eps);
+
+    float logit[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      float l = 0.f;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) l += (hw::round_to<T>(x[i][k] * r) * g[i][k]) * q[i][k];
+      logit[i] = l;
+    }
+    head_sum(logit);
+
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int v = tid + i * nthreads;
+      if (v >= nvec) continue;
+      float alpha, prob;
+      sm[i].fold(logit[i], alpha, prob);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[i][k] = acc[i][k] * alpha + prob * x[i][k];
+      if (v % kv == 0) p.weights[(n * p.positions + pos) * p.heads + v / kv] = logit[i];
+    }
+  }
+
+  T* out = static_cast<T*>(p.out) + pos * p.d;
+  const T* res = p.residual == nullptr
+                     ? nullptr
+                     : static_cast<const T*>(p.residual) + b * p.res_stride_b + t * p.res_stride_t;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int v = tid + i * nthreads;
+    if (v >= nvec) continue;
+    const float inv_den = 1.f / sm[i].den;
+    float y[VEC];
+    float rv[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) rv[k] = 0.f;
+    if (res != nullptr) hw::load_as_float<VEC>(res + v * VEC, rv);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) y[k] = acc[i][k] * inv_den + rv[k];
+    hw::store_from_float<VEC>(out + v * VEC, y);
+    if (v % kv == 0) {
+      for (int n = 0; n < p.num_sources; ++n) {
+        float* wp = p.weights + (n * p.positions + pos) * p.heads + v / kv;
+        *wp = expf(*wp - sm[i].max) * inv_den;
+      }
+    }
+  }
+}
+
+// Persistent blocks: block j handles positions j, j + gridDim.x, ... and leaves its
+// query / norm-weight gradient partials in row j of the partial buffers, so that the
+// final sum over blocks (mhar_param_grad_reduce_kernel) has a fixed order.
+template <typename T, int VEC, int ITEMS, HeadReduce MODE>
+__global__ void __launch_bounds__(1024) mhar_route_bwd_kernel(const BwdParams p) {
+  const int tid = threadIdx.x;
+  const int nthreads = blockDim.x;
+  const int nvec = static_cast<int>(p.d / VEC);
+  const int kv = static_cast<int>(p.head_dim / VEC);
+  const float inv_d = 1.f / static_cast<float>(p.d);
+  const int heads = static_cast<int>(p.heads);
+
+  float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
+  hw::BlockSum block_sum(smem);
+  HeadSum<ITEMS, MODE> head_sum(smem + 64, nvec, kv, heads);
+
+  float q[ITEMS][VEC], g[ITEMS][VEC], dq[ITEMS][VEC], dg[ITEMS][VEC];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int v = tid + i * nthreads;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      q[i][k] = 0.f;
+      g[i][k] = 0.f;
+      dq[i][k] = 0.f;
+      dg[i][k] = 0.f;
+    }
+    if (v < nvec) {
+      hw::load_as_float<VEC>(p.query + v * VEC, q[i]);
+      hw::load_as_float<VEC>(p.norm_weight + v * VEC, g[i]);
+    }
+  }
+
+  for (int64_t pos = blockIdx.x; pos < p.positions; pos += gridDim.x) {
+    const int64_t b = pos / p.seq;
+    const int64_t t = pos - b * p.seq;
+    const T* src = static_cast<const T*>(p.sources) + b * p.src_stride_b + t * p.src_stride_t;
+    const float* wpos = p.weights + pos * heads;
+    const int64_t wstride_n = p.positions * heads;
+
+    float dout[ITEMS][VEC];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int v = tid + i * nthreads;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) dout[i][k] = 0.f;
+      if (v < nvec) hw::load_as_float<VEC>(static_cast<const T*>(p.grad_out) + pos * p.d + v * VEC, dout[i]);
+    }
+
+    // Pass 1: S_h = sum_n w[n,h] <dout_h, s_n[h]>.
+    float coupling[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) coupling[i] = 0.f;
+    for (int n = 0; n < p.num_sources; ++n) {
+      const T* row = src + n * p.src_stride_n;
+      float dot[ITEMS];
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int v = tid + i * nthreads;
+        float x[VEC];
+        dot[i] = 0.f;
+        if (v < nvec) {
+          hw::load_as_float<VEC>(row + v * VEC, x);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) dot[i] += dout[i][k] * x[k];
+        }
+      }
+      head_sum(dot);
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int v = tid + i * nthreads;
+        if (v < nvec) coupling[i] += wpos[n * wstride_n + v / kv] * dot[i];
+      }
+    }
+
+    // Pass 2: recompute r_n and the head dots, emit ds_n, accumulate dq and dg.
+    for (int n = 0; n < p.num_sources; ++n) {
+      const T* row = src + n * p.src_stride_n;
+      float x[ITEMS][VEC];
+      float dot[ITEMS];
+      float sumsq = 0.f;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int v = tid + i * nthreads;
+        dot[i] = 0.f;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) x[i][k] = 0.f;
+        if (v < nvec) hw::load_as_float<VEC>(row + v * VEC, x[i]);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          sumsq += x[i][k] * x[i][k];
+          dot[i] += dout[i][k] * x[i][k];
+        }
+      }
+      const float r = rsqrtf(block_sum(sumsq) * inv_d + p.eps);
+      head_sum(dot);
+
+      float wn[ITEMS], dl[ITEMS];
+      float c_part = 0.f;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int v = tid + i * nthreads;
+        wn[i] = 0.f;
+        dl[i] = 0.f;
+        if (v < nvec) {
+          wn[i] = wpos[n * wstride_n + v / kv];
+          dl[i] = wn[i] * (dot[i] - coupling[i]);
+        }
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float u = hw::round_to<T>(x[i][k] * r);
+          c_part += dl[i] * q[i][k] * g[i][k] * x[i][k];
+          dq[i][k] += dl[i] * g[i][k] * u;
+          dg[i][k] += dl[i] * q[i][k] * u;
+        }
+      }
+      const float c = block_sum(c_part);
+      const float r3c = r * r * r * c * inv_d;
+
+      T* ds = static_cast<T*>(p.grad_sources) + (n * p.positions + pos) * p.d;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int v = tid + i * nthreads;
+        if (v >= nvec) continue;
+        float y[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float du = dl[i] * q[i][k] * g[i][k];
+          y[k] = wn[i] * dout[i][k] + r * du - r3c * x[i][k];
+        }
+        hw::store_from_float<VEC>(ds + v * VEC, y);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int v = tid + i * nthreads;
+    if (v >= nvec) continue;
+    hw::store_from_float<VEC>(p.grad_query_partial + blockIdx.x * p.d + v * VEC, dq[i]);
+    hw::store_from_float<VEC>(p.grad_norm_partial + blockIdx.x * p.d + v * VEC, dg[i]);
+  }
+}
+
+// Second stage of the query / norm-weight gradients: out[y][j] = sum_r partial[y][r][j]
+// over the `rows` block partials in ascending order (blockIdx.y picks the tensor).
+__global__ void __launch_bounds__(256) mhar_param_grad_reduce_kernel(
+    const float* __restrict__ grad_query_partial, const float* __restrict__ grad_norm_partial,
+    int64_t rows, int64_t d, float* __restrict__ grad_query, float* __restrict__ grad_norm) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= d) return;
+  const float* partial = blockIdx.y == 0 ? grad_query_partial : grad_norm_partial;
+  float s = 0.f;
+  for (int64_t r = 0; r < rows; ++r) s += partial[r * d + j];
+  (blockIdx.y == 0 ? grad_query : grad_norm)[j] = s;
+}
+
+}  // namespace mhar
+}  // namespace headwise

@@ -1,0 +1,225 @@
+// Host side of the MHAR kernels: checks, layout plan, launches, and the backend entries
+// of mhar_ops.h. Compiled once as the CUDA backend (mhar_cuda.cu, nvcc: route_cuda)
+// and once as the emulated backend (mhar_sim.cpp, host compiler against the SIMT
+// emulator: route_sim), so both run exactly the same launch logic.
+#pragma once
+
+#include "../common/dispatch.h"
+#include "../common/op_range.h"
+#include "../common/outputs.h"
+#include "mhar_args.h"
+#include "mhar_kernel.cuh"
+#include "mhar_ops.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+
+#include <algorithm>
+#include <tuple>
+
+namespace headwise {
+namespace mhar {
+#if HW_SIM
+#define HW_MHAR_ENTRY(name) name##_sim
+namespace {
+constexpr const char* kBackend = "the emulated CUDA backend (torch.ops.headwise_sim) takes CPU tensors";
+inline bool on_backend_device(const at::Tensor& t) { return t.device().is_cpu(); }
+#else
+#define HW_MHAR_ENTRY(name) name##_cuda
+namespace {
+constexpr const char* kBackend = "the CUDA backend takes CUDA tensors";
+inline bool on_backend_device(const at::Tensor& t) { return t.is_cuda(); }
+#endif
+
+// Largest d of the device kernels: 8192 / VEC vectors over at most 1024 threads.
+constexpr int64_t kMaxDim = 8192;
+// Persistent blocks of the backward; fixed so that the reduction order does not depend
+// on the device.
+constexpr int64_t kBwdBlocks = 1024;
+
+template <typename T, int VEC, int ITEMS, HeadReduce MODE>
+struct Config {
+  using scalar_t = T;
+  static constexpr int vec = VEC;
+  static constexpr int items = ITEMS;
+  static constexpr HeadReduce mode = MODE;
+};
+
+struct Plan {
+  int vec;
+  int threads;
+  HeadReduce mode;
+  size_t smem_bytes;
+};
+
+inline bool aligned_for_vec8(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i)
+    if (t.size(i) > 1 && t.stride(i) % 8 != 0) return false;
+  return true;
+}
+
+inline Plan make_plan(const Shape& s, bool vec8) {
+  Plan plan{};
+  plan.vec = vec8 ? 8 : 1;
+  const int64_t nvec = s.d / plan.vec;
+  const int64_t kv = s.head_dim / plan.vec;
+  plan.mode = (kv <= 32 && (kv & (kv - 1)) == 0) ? HeadReduce::kSegment
+              : (kv % 32 == 0)                    ? HeadReduce::kWarps
+                                                  : HeadReduce::kGeneric;
+  const int64_t cap = vec8 ? 512 : 1024;  // threads * ITEMS >= nvec for d <= kMaxDim
+  plan.threads = static_cast<int>(std::min(cap, (nvec + 31) / 32 * 32));
+  plan.smem_bytes = static_cast<size_t>(smem_floats(plan.mode, nvec)) * sizeof(float);
+  return plan;
+}
+
+// Calls f(Config<T, VEC, ITEMS, MODE>{}) for the plan.
+template <typename T, typename F>
+void dispatch_plan(const Plan& plan, F&& f) {
+  if (plan.vec == 8) {
+    switch (plan.mode) {
+      case HeadReduce::kSegment: f(Config<T, 8, 2, HeadReduce::kSegment>{}); break;
+      case HeadReduce::kWarps: f(Config<T, 8, 2, HeadReduce::kWarps>{}); break;
+      case HeadReduce::kGeneric: f(Config<T, 8, 2, HeadReduce::kGeneric>{}); break;
+    }
+  } else {
+    switch (plan.mode) {
+      case HeadReduce::kSegment: f(Config<T, 1, 8, HeadReduce::kSegment>{}); break;
+      case HeadReduce::kWarps: f(Config<T, 1, 8, HeadReduce::kWarps>{}); break;
+      case HeadReduce::kGeneric: f(Config<T, 1, 8, HeadReduce::kGeneric>{}); break;
+    }
+  }
+}
+
+inline void check_backend(const at::Tensor& sources, const Shape& s, const char* op) {
+  TORCH_CHECK(on_backend_device(sources), "headwise.", op, ": sources is on ", sources.device(),
+              " but ", kBackend);
+  TORCH_CHECK_VALUE(s.d <= kMaxDim, "headwise.", op, ": d = ", s.d,
+                    " exceeds the largest d of the CUDA kernels (", kMaxDim, ")");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& sources,
+                                                        const at::Tensor& query,
+                                                        const at::Tensor& norm_weight,
+                                                        int64_t num_heads, int64_t num_sources,
+                                                        double eps,
+                                                        const c10::optional<at::Tensor>& residual) {
+  HW_OP_RANGE("headwise::mhar_route");
+  const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
+  check_backend(sources, s, "mhar_route");
+  if (residual.has_value()) check_residual(*residual, sources, s);
+  const at::OptionalDeviceGuard device_guard(sources.device());
+
+  const at::Tensor q = query.to(at::kFloat).contiguous();
+  const at::Tensor g = norm_weight.to(at::kFloat).contiguous();
+  at::Tensor out = new_output({s.batch, s.seq, s.d}, sources.options());
+  at::Tensor weights =
+      new_output({s.num_sources, s.batch, s.seq, s.heads}, sources.options().dtype(at::kFloat));
+  if (s.positions() == 0) return {out, weights};
+
+  bool vec8 = s.head_dim % 8 == 0 && aligned_for_vec8(sources) && aligned_for_vec8(q) &&
+              aligned_for_vec8(g);
+  if (residual.has_value()) vec8 = vec8 && aligned_for_vec8(*residual);
+  const Plan plan = make_plan(s, vec8);
+
+  FwdParams p{};
+  p.sources = sources.data_ptr();
+  p.query = q.data_ptr<float>();
+  p.norm_weight = g.data_ptr<float>();
+  p.residual = residual.has_value() ? residual->data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.weights = weights.data_ptr<float>();
+  p.src_stride_n = sources.stride(0);
+  p.src_stride_b = sources.stride(1);
+  p.src_stride_t = sources.stride(2);
+  p.res_stride_b = residual.has_value() ? residual->stride(0) : 0;
+  p.res_stride_t = residual.has_value() ? residual->stride(1) : 0;
+  p.seq = s.seq;
+  p.positions = s.positions();
+  p.d = s.d;
+  p.heads = s.heads;
+  p.head_dim = s.head_dim;
+  p.num_sources = static_cast<int>(s.num_sources);
+  p.eps = static_cast<float>(eps);
+
+  dispatch_storage_dtype(sources.scalar_type(), "mhar_route", "sources", [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_plan<T>(plan, [&](auto cfg) {
+      using C = decltype(cfg);
+      auto kernel = &mhar_route_fwd_kernel<T, C::vec, C::items, C::mode>;
+      hw::allow_dynamic_smem(kernel, plan.smem_bytes);
+      HW_LAUNCH("mhar_route_fwd", kernel, dim3(static_cast<unsigned>(s.positions())),
+                dim3(plan.threads), plan.smem_bytes, p);
+    });
+  });
+  return {out, weights};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward)(
+    const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,
+    const at::Tensor& norm_weight, const at::Tensor& weights, int64_t num_heads,
+    int64_t num_sources, double eps) {
+  HW_OP_RANGE("headwise::mhar_route_backward");
+  const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
+  check_backend(sources, s, "mhar_route_backward");
+  check_backward_args(grad_out, sources, weights, s);
+  const at::OptionalDeviceGuard device_guard(sources.device());
+
+  const at::Tensor dout = grad_out.contiguous();
+  const at::Tensor w = weights.contiguous();
+  const at::Tensor q = query.to(at::kFloat).contiguous();
+  const at::Tensor g = norm_weight.to(at::kFloat).contiguous();
+  at::Tensor grad_sources = new_output(sources.sizes(), sources.options());
+  if (s.num_sources < s.max_sources) grad_sources.narrow(0, s.num_sources, s.max_sources - s.num_sources).zero_();
+  at::Tensor grad_query = at::zeros({s.d}, sources.options().dtype(at::kFloat));
+  at::Tensor grad_norm = at::zeros({s.d}, sources.options().dtype(at::kFloat));
+  if (s.positions() > 0) {
+    const bool vec8 = s.head_dim % 8 == 0 && aligned_for_vec8(sources) && aligned_for_vec8(q) &&
+                      aligned_for_vec8(g);
+    const Plan plan = make_plan(s, vec8);
+    const int64_t blocks = std::min(s.positions(), kBwdBlocks);
+    at::Tensor partial = new_output({2, blocks, s.d}, sources.options().dtype(at::kFloat));
+
+    BwdParams p{};
+    p.grad_out = dout.data_ptr();
+    p.sources = sources.data_ptr();
+    p.query = q.data_ptr<float>();
+    p.norm_weight = g.data_ptr<float>();
+    p.weights = w.data_ptr<float>();
+    p.grad_sources = grad_sources.data_ptr();
+    p.grad_query_partial = partial[0].data_ptr<float>();
+    p.grad_norm_partial = partial[1].data_ptr<float>();
+    p.src_stride_n = sources.stride(0);
+    p.src_stride_b = sources.stride(1);
+    p.src_stride_t = sources.stride(2);
+    p.seq = s.seq;
+    p.positions = s.positions();
+    p.d = s.d;
+    p.heads = s.heads;
+    p.head_dim = s.head_dim;
+    p.num_sources = static_cast<int>(s.num_sources);
+    p.eps = static_cast<float>(eps);
+
+    dispatch_storage_dtype(sources.scalar_type(), "mhar_route_backward", "sources", [&](auto tag) {
+      using T = decltype(tag);
+      dispatch_plan<T>(plan, [&](auto cfg) {
+        using C = decltype(cfg);
+        auto kernel = &mhar_route_bwd_kernel<T, C::vec, C::items, C::mode>;
+        hw::allow_dynamic_smem(kernel, plan.smem_bytes);
+        HW_LAUNCH("mhar_route_bwd", kernel, dim3(static_cast<unsigned>(blocks)),
+                  dim3(plan.threads), plan.smem_bytes, p);
+      });
+    });
+    const unsigned reduce_blocks = static_cast<unsigned>((s.d + 255) / 256);
+    auto reduce = &mhar_param_grad_reduce_kernel;
+    HW_LAUNCH("mhar_param_grad_reduce", reduce, dim3(reduce_blocks, 2), dim3(256), 0,
+              partial[0].data_ptr<float>(), partial[1].data_ptr<float>(), blocks, s.d,
+              grad_query.data_ptr<float>(), grad_norm.data_ptr<float>());
+  }
+  return {grad_sources, grad_query.to(query.scalar_type()), grad_norm.to(norm_weight.scalar_type())};
+}
+
+}  // namespace mhar
+}  // namespace headwise

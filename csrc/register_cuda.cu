@@ -1,0 +1,9 @@
+// CUDA implementations of torch.ops.headwise.
+#include "mhar/mhar_ops.h"
+
+#include <torch/library.h>
+
+TORCH_LIBRARY_IMPL(headwise, CUDA, m) {
+  m.impl("mhar_route", &headwise::mhar::route_cuda);
+  m.impl("mhar_route_backward", &headwise::mhar::route_backward_cuda);
+}

@@ -1,0 +1,14 @@
+// The op library: schemas of torch.ops.headwise and the CPU implementations.
+// (CUDA implementations: register_cuda.cu.)
+#include "mhar/mhar_ops.h"
+#include "common/python_module.h"
+#include "schemas.h"
+
+HW_PYTHON_MODULE(_C)
+
+TORCH_LIBRARY(headwise, m) { headwise::define_schemas(m); }
+
+TORCH_LIBRARY_IMPL(headwise, CPU, m) {
+  m.impl("mhar_route", &headwise::mhar::route_cpu);
+  m.impl("mhar_route_backward", &headwise::mhar::route_backward_cpu);
+}

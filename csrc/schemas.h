@@ -1,0 +1,22 @@
+// Every op schema of headwise, declared once. The op library registers them as
+// torch.ops.headwise (registration.cpp); the emulated library registers the same
+// schemas as torch.ops.headwise_sim (register_sim.cpp).
+#pragma once
+
+#include <torch/library.h>
+
+namespace headwise {
+
+inline void define_schemas(torch::Library& m) {
+  const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
+  m.def(
+      "mhar_route(Tensor sources, Tensor query, Tensor norm_weight, int num_heads, "
+      "int num_sources, float eps, Tensor? residual) -> (Tensor, Tensor)",
+      tags);
+  m.def(
+      "mhar_route_backward(Tensor grad_out, Tensor sources, Tensor query, Tensor norm_weight, "
+      "Tensor weights, int num_heads, int num_sources, float eps) -> (Tensor, Tensor, Tensor)",
+      tags);
+}
+
+}  // namespace headwise

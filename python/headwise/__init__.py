@@ -1,0 +1,13 @@
+"""headwise: fused CUDA/CPU kernels for the head axis of attention.
+
+Ops are registered as ``torch.ops.headwise.*`` (CPU and CUDA kernels) and, for testing
+without a GPU, as ``torch.ops.headwise_sim.*`` (the CUDA kernels run by a SIMT emulator
+on CPU tensors). The functions below are typed, differentiable wrappers.
+"""
+
+from . import _C, _sim  # noqa: F401  (load torch.ops.headwise and torch.ops.headwise_sim)
+from . import reference, testing
+from .ops import mhar_route
+
+__all__ = ["mhar_route", "reference", "testing"]
+__version__ = "0.1.0"

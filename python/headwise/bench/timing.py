@@ -1,0 +1,89 @@
+"""Timing and memory measurement shared by the op benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(
+    fn: Callable[[], None],
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    setup: Optional[Callable[[], None]] = None,
+) -> float:
+    """Median wall time of ``fn()`` in milliseconds; ``setup()`` runs untimed before each call."""
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def saved_bytes(run_forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> int:
+    """Bytes that autograd saves for backward beyond the inputs' own storage."""
+    input_storages = {x.untyped_storage().data_ptr() for x in inputs}
+    seen: dict[int, int] = {}
+
+    def pack(x: torch.Tensor):
+        storage = x.untyped_storage()
+        if storage.data_ptr() not in input_storages:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = run_forward()
+    del out
+    return sum(seen.values())
+
+
+def peak_bytes(fn: Callable[[], None], device: torch.device) -> Optional[int]:
+    """Peak allocated memory during ``fn()`` above what was allocated before (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    dtype: str
+    mode: str  # fwd | bwd | fwd+bwd
+    impl: str  # eager | compile | headwise
+    ms: float
+    saved_bytes: Optional[int] = None
+    peak_bytes: Optional[int] = None

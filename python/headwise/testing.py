@@ -1,0 +1,52 @@
+"""Test support: one test body, every backend.
+
+``backend("cpu")`` and ``backend("cuda")`` run ``torch.ops.headwise`` (the op picks its
+kernel by the tensors' device; the object also carries the device tests should use),
+``backend("sim")`` runs ``torch.ops.headwise_sim``: the CUDA kernels executed by the
+SIMT emulator on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import Ops
+
+BACKENDS = ("cpu", "sim", "cuda")
+
+
+class Backend(Ops):
+    def __init__(self, name: str):
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+        if name == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("headwise.testing.backend('cuda'): no CUDA device is available")
+        super().__init__("headwise_sim" if name == "sim" else "headwise")
+        self.name = name
+        self.device = torch.device("cuda" if name == "cuda" else "cpu")
+
+    def __repr__(self) -> str:
+        return f"headwise.testing.backend({self.name!r})"
+
+
+def backend(name: str) -> Backend:
+    """The public functions of headwise bound to backend ``name`` ("cpu", "sim", "cuda")."""
+    return Backend(name)
+
+
+def available_backends() -> list[str]:
+    return [b for b in BACKENDS if b != "cuda" or torch.cuda.is_available()]
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Norm-wise relative error ``max |actual - expected| / max |expected|``.
+
+    Fails on a shape mismatch or on a non-finite element of ``actual`` (with poisoned
+    outputs, an element the kernel never wrote is NaN)."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if a.shape != e.shape:
+        raise AssertionError(f"shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+    if not torch.isfinite(a).all():
+        raise AssertionError("result has NaN/inf elements (unwritten output?)")
+    scale = e.abs().max().item() if e.numel() else 0.0
+    return (a - e).abs().max().item() / (scale if scale > 0 else 1.0)
