@@ -124,7 +124,8 @@ def extensions():
     system = [f for p in include_paths() for f in ("-isystem", p)]
     cxx = ["-O3", "-std=c++20", "-DHEADWISE_PYTHON_MODULE"] + system + warn
     cpu_sources = ["csrc/registration.cpp"] + _sources("*/*_cpu.cpp")
-    sim_sources = ["csrc/register_sim.cpp", "csrc/common/simt/simt_runtime.cpp"] + _sources("*/*_sim.cpp")
+    # The emulated library: the emulator, its self-test kernels, and every *_sim.cpp.
+    sim_sources = ["csrc/register_sim.cpp"] + _sources("common/simt/*.cpp", "*/*_sim.cpp")
 
     if with_cuda:
         nvcc = [

@@ -33,15 +33,13 @@ namespace {
 
 constexpr int64_t kChunk = 16;  // positions per dq/dg partial in the backward
 
-// Sum of x[j] * y[j] over j < n: 16 independent lanes (vectorizable) over blocks of at
-// most 128 elements, blocks combined pairwise; the order is fixed, and the rounding
-// error grows with log(n) rather than n.
+// Helpers are force-inlined into the multi-versioned entries below, so that each clone
+// compiles them for its own instruction set.
+#define HW_CPU_INLINE inline __attribute__((always_inline))
+
+// Sum of x[j] * y[j] over j < n (n <= 128): 16 independent lanes, then a lane tree.
 template <typename A>
-inline A dot(const A* __restrict x, const A* __restrict y, int64_t n) {
-  if (n > 128) {
-    const int64_t half = (n / 2 + 15) / 16 * 16;
-    return dot(x, y, half) + dot(x + half, y + half, n - half);
-  }
+HW_CPU_INLINE A dot_block(const A* __restrict x, const A* __restrict y, int64_t n) {
   A part[16] = {};
   int64_t j = 0;
   for (; j + 16 <= n; j += 16)
@@ -53,9 +51,40 @@ inline A dot(const A* __restrict x, const A* __restrict y, int64_t n) {
   return s + part[0];
 }
 
+// Sum of x[j] * y[j] over j < n in a fixed order: blocks of 128 elements, block sums
+// combined pairwise, so the rounding error grows with log(n) rather than n.
+template <typename A>
+HW_CPU_INLINE A dot(const A* __restrict x, const A* __restrict y, int64_t n) {
+  if (n <= 128) return dot_block(x, y, n);
+  A sums[64];  // n <= 8192 on every path that reaches here in practice; larger n folds below
+  int64_t count = 0;
+  for (int64_t j = 0; j < n; j += 128) {
+    const A b = dot_block(x + j, y + j, std::min<int64_t>(128, n - j));
+    if (count == 64) {  // keep the buffer bounded for very wide rows
+      for (int k = 0; k < 32; ++k) sums[k] = sums[2 * k] + sums[2 * k + 1];
+      count = 32;
+    }
+    sums[count++] = b;
+  }
+  while (count > 1) {
+    const int64_t half = count / 2;
+    for (int64_t k = 0; k < half; ++k) sums[k] = sums[2 * k] + sums[2 * k + 1];
+    if (count % 2) sums[half] = sums[count - 1];
+    count = half + count % 2;
+  }
+  return sums[0];
+}
+
+// The row src[0, n) in the accumulation type: src itself when T is A, else widened into
+// scratch.
 template <typename T, typename A>
-inline void to_acc(const T* __restrict src, A* __restrict dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<A>(src[j]);
+HW_CPU_INLINE const A* as_acc(const T* __restrict src, A* __restrict scratch, int64_t n) {
+  if constexpr (std::is_same_v<T, A>) {
+    return src;
+  } else {
+    for (int64_t j = 0; j < n; ++j) scratch[j] = static_cast<A>(src[j]);
+    return scratch;
+  }
 }
 
 // Everything a chunk of positions needs; pointers are typed by the caller's T and A.
@@ -76,19 +105,19 @@ struct Call {
 
 // ug[j] = round_T(x[j] * r) * g[j]
 template <typename T, typename A>
-inline void scaled_key(const A* __restrict x, const A* __restrict g, A r, A* __restrict ug, int64_t n) {
+HW_CPU_INLINE void scaled_key(const A* __restrict x, const A* __restrict g, A r, A* __restrict ug, int64_t n) {
   for (int64_t j = 0; j < n; ++j) ug[j] = cpu::round_to<T>(x[j] * r) * g[j];
 }
 
 // acc[k] = acc[k] * alpha + p * x[k]
 template <typename A>
-inline void rescale_add(A* __restrict acc, const A* __restrict x, A alpha, A p, int64_t n) {
+HW_CPU_INLINE void rescale_add(A* __restrict acc, const A* __restrict x, A alpha, A p, int64_t n) {
   for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] * alpha + p * x[k];
 }
 
 // out[k] = T(acc[k] * inv (+ res[k]))
 template <typename T, typename A>
-inline void normalize_store(const A* __restrict acc, A inv, const T* __restrict res, T* __restrict out, int64_t n) {
+HW_CPU_INLINE void normalize_store(const A* __restrict acc, A inv, const T* __restrict res, T* __restrict out, int64_t n) {
   if (res == nullptr) {
     for (int64_t k = 0; k < n; ++k) out[k] = cpu::to_storage<T>(acc[k] * inv);
   } else {
@@ -99,7 +128,7 @@ inline void normalize_store(const A* __restrict acc, A inv, const T* __restrict 
 // One head's slice of pass 2 of the backward (see the file comment of mhar_kernel.cuh):
 //   ds[k] = w dout[k] + r dl q[k] g[k] - r^3 c x[k] / d,  dq[k] += dl g[k] u[k],  dg[k] += dl q[k] u[k]
 template <typename T, typename A>
-inline void emit_source_grad(const A* __restrict x, const A* __restrict dout, const A* __restrict q,
+HW_CPU_INLINE void emit_source_grad(const A* __restrict x, const A* __restrict dout, const A* __restrict q,
                              const A* __restrict g, const A* __restrict qg, A r, A wv, A dl, A r3c,
                              T* __restrict ds, A* __restrict dq, A* __restrict dg, int64_t n) {
   for (int64_t k = 0; k < n; ++k) {
@@ -111,14 +140,14 @@ inline void emit_source_grad(const A* __restrict x, const A* __restrict dout, co
 }
 
 template <typename T, typename A>
-inline void forward_positions(const Call& c, int64_t p0, int64_t p1) {
+HW_CPU_INLINE void forward_positions(const Call& c, int64_t p0, int64_t p1) {
   const int64_t d = c.d, H = c.heads, K = c.head_dim, N = c.num_sources;
   const A* q = static_cast<const A*>(c.query);
   const A* g = static_cast<const A*>(c.norm_weight);
   A* w = static_cast<A*>(c.weights);
   std::vector<A> buf(3 * d + 2 * H);
-  A* x = buf.data();
-  A* ug = x + d;
+  A* xbuf = buf.data();
+  A* ug = xbuf + d;
   A* acc = ug + d;
   A* mx = acc + d;
   A* den = mx + H;
@@ -129,7 +158,7 @@ inline void forward_positions(const Call& c, int64_t p0, int64_t p1) {
     std::fill(mx, mx + H, -INFINITY);
     std::fill(den, den + H, A(0));
     for (int64_t n = 0; n < N; ++n) {
-      to_acc(src + n * c.sn, x, d);
+      const A* x = as_acc(src + n * c.sn, xbuf, d);
       const A r = A(1) / std::sqrt(dot(x, x, d) / static_cast<A>(d) + static_cast<A>(c.eps));
       scaled_key<T>(x, g, r, ug, d);
       for (int64_t h = 0; h < H; ++h) {
@@ -157,7 +186,7 @@ inline void forward_positions(const Call& c, int64_t p0, int64_t p1) {
 }
 
 template <typename T, typename A>
-inline void backward_chunk(const Call& c, int64_t chunk) {
+HW_CPU_INLINE void backward_chunk(const Call& c, int64_t chunk) {
   const int64_t d = c.d, H = c.heads, K = c.head_dim, N = c.num_sources;
   const A* q = static_cast<const A*>(c.query);
   const A* g = static_cast<const A*>(c.norm_weight);
@@ -166,9 +195,9 @@ inline void backward_chunk(const Call& c, int64_t chunk) {
   A* dg = dq + d;
   std::fill(dq, dq + 2 * d, A(0));
   std::vector<A> buf(3 * d + 2 * N * H + N + H);
-  A* x = buf.data();
-  A* dout = x + d;
-  A* qg = dout + d;
+  A* xbuf = buf.data();
+  A* doutbuf = xbuf + d;
+  A* qg = doutbuf + d;
   A* dot_ho = qg + d;  // a[n, h] = <dout_h, s_n[h]>
   A* dl = dot_ho + N * H;  // dl[n, h]
   A* rn = dl + N * H;
@@ -181,10 +210,10 @@ inline void backward_chunk(const Call& c, int64_t chunk) {
     const T* src = static_cast<const T*>(c.sources) + b * c.sb + t * c.st;
     const A* wpos = w + pos * H;
     const int64_t wstride = c.positions * H;
-    to_acc(static_cast<const T*>(c.grad_out) + pos * d, dout, d);
+    const A* dout = as_acc(static_cast<const T*>(c.grad_out) + pos * d, doutbuf, d);
     std::fill(coupling, coupling + H, A(0));
     for (int64_t n = 0; n < N; ++n) {  // pass 1
-      to_acc(src + n * c.sn, x, d);
+      const A* x = as_acc(src + n * c.sn, xbuf, d);
       rn[n] = A(1) / std::sqrt(dot(x, x, d) * inv_d + static_cast<A>(c.eps));
       for (int64_t h = 0; h < H; ++h) {
         const A a = dot(dout + h * K, x + h * K, K);
@@ -193,7 +222,7 @@ inline void backward_chunk(const Call& c, int64_t chunk) {
       }
     }
     for (int64_t n = 0; n < N; ++n) {  // pass 2
-      to_acc(src + n * c.sn, x, d);
+      const A* x = as_acc(src + n * c.sn, xbuf, d);
       const A r = rn[n];
       A cn = 0;  // c_n = <du_n, s_n> = sum_h dl[n,h] <qg_h, s_n[h]>
       for (int64_t h = 0; h < H; ++h) {

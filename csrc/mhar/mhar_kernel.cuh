@@ -148,7 +148,7 @@ class HeadSum {
 // a [ITEMS, VEC] fp32 accumulator with the running-max softmax. The raw logit of
 // (n, h) is stored by the head's first thread and rescaled into w at the end.
 template <typename T, int VEC, int ITEMS, HeadReduce MODE>
-__global__ void __launch_bounds__(1024) mhar_route_fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_fwd_kernel(const FwdParams p) {
   const int tid = threadIdx.x;
   const int nthreads = blockDim.x;
   const int64_t pos = blockIdx.x;
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(1024) mhar_route_fwd_kernel(const FwdParams p)
 // query / norm-weight gradient partials in row j of the partial buffers, so that the
 // final sum over blocks (mhar_param_grad_reduce_kernel) has a fixed order.
 template <typename T, int VEC, int ITEMS, HeadReduce MODE>
-__global__ void __launch_bounds__(1024) mhar_route_bwd_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(const BwdParams p) {
   const int tid = threadIdx.x;
   const int nthreads = blockDim.x;
   const int nvec = static_cast<int>(p.d / VEC);

@@ -36,6 +36,9 @@ constexpr int64_t kMaxDim = 8192;
 // Persistent blocks of the backward; fixed so that the reduction order does not depend
 // on the device.
 constexpr int64_t kBwdBlocks = 1024;
+// Vectors per thread (ITEMS) of the vectorized (8-element) and scalar layouts.
+constexpr int kItemsVec8 = 2;
+constexpr int kItemsScalar = 8;
 
 template <typename T, int VEC, int ITEMS, HeadReduce MODE>
 struct Config {
@@ -67,8 +70,11 @@ inline Plan make_plan(const Shape& s, bool vec8) {
   plan.mode = (kv <= 32 && (kv & (kv - 1)) == 0) ? HeadReduce::kSegment
               : (kv % 32 == 0)                    ? HeadReduce::kWarps
                                                   : HeadReduce::kGeneric;
-  const int64_t cap = vec8 ? 512 : 1024;  // threads * ITEMS >= nvec for d <= kMaxDim
-  plan.threads = static_cast<int>(std::min(cap, (nvec + 31) / 32 * 32));
+  // Every thread fills all ITEMS vector slots (registers are allocated for all of them),
+  // in warps: threads = 32 * ceil(nvec / (32 * ITEMS)) <= 512 (vec8) or 1024 (scalar) for
+  // d <= kMaxDim.
+  const int64_t items = vec8 ? kItemsVec8 : kItemsScalar;
+  plan.threads = static_cast<int>((nvec + 32 * items - 1) / (32 * items) * 32);
   plan.smem_bytes = static_cast<size_t>(smem_floats(plan.mode, nvec)) * sizeof(float);
   return plan;
 }
@@ -78,15 +84,15 @@ template <typename T, typename F>
 void dispatch_plan(const Plan& plan, F&& f) {
   if (plan.vec == 8) {
     switch (plan.mode) {
-      case HeadReduce::kSegment: f(Config<T, 8, 2, HeadReduce::kSegment>{}); break;
-      case HeadReduce::kWarps: f(Config<T, 8, 2, HeadReduce::kWarps>{}); break;
-      case HeadReduce::kGeneric: f(Config<T, 8, 2, HeadReduce::kGeneric>{}); break;
+      case HeadReduce::kSegment: f(Config<T, 8, kItemsVec8, HeadReduce::kSegment>{}); break;
+      case HeadReduce::kWarps: f(Config<T, 8, kItemsVec8, HeadReduce::kWarps>{}); break;
+      case HeadReduce::kGeneric: f(Config<T, 8, kItemsVec8, HeadReduce::kGeneric>{}); break;
     }
   } else {
     switch (plan.mode) {
-      case HeadReduce::kSegment: f(Config<T, 1, 8, HeadReduce::kSegment>{}); break;
-      case HeadReduce::kWarps: f(Config<T, 1, 8, HeadReduce::kWarps>{}); break;
-      case HeadReduce::kGeneric: f(Config<T, 1, 8, HeadReduce::kGeneric>{}); break;
+      case HeadReduce::kSegment: f(Config<T, 1, kItemsScalar, HeadReduce::kSegment>{}); break;
+      case HeadReduce::kWarps: f(Config<T, 1, kItemsScalar, HeadReduce::kWarps>{}); break;
+      case HeadReduce::kGeneric: f(Config<T, 1, kItemsScalar, HeadReduce::kGeneric>{}); break;
     }
   }
 }

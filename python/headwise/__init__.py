@@ -5,6 +5,8 @@ without a GPU, as ``torch.ops.headwise_sim.*`` (the CUDA kernels run by a SIMT e
 on CPU tensors). The functions below are typed, differentiable wrappers.
 """
 
+import torch  # noqa: F401  (the op libraries link against libtorch)
+
 from . import _C, _sim  # noqa: F401  (load torch.ops.headwise and torch.ops.headwise_sim)
 from . import reference, testing
 from .ops import mhar_route
