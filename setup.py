@@ -119,10 +119,17 @@ def _sources(*patterns: str) -> list[str]:
 
 def extensions():
     with_cuda = _want_cuda()
-    warn = ["-Wall", "-Wextra"] + (["-Werror"] if _flag("HEADWISE_WERROR") else [])
+    # -Wno-psabi: the CPU kernels pass 64-byte vectors between always-inlined helpers
+    # (csrc/common/cpu_simd.h); GCC notes that such signatures would change the ABI, which
+    # never applies to them.
+    warn = ["-Wall", "-Wextra", "-Wno-psabi"] + (["-Werror"] if _flag("HEADWISE_WERROR") else [])
     # torch's headers as system headers: warnings are reported for headwise's own code only.
     system = [f for p in include_paths() for f in ("-isystem", p)]
-    cxx = ["-O3", "-std=c++20", "-DHEADWISE_PYTHON_MODULE"] + system + warn
+    # -fopenmp: at::parallel_for (CPU kernels; the emulator's block scheduler in
+    # csrc/register_sim.cpp) is an inline template, parallel only where the calling code
+    # is compiled with OpenMP (torch's OpenMP backend); without it, it runs serially.
+    cxx = ["-O3", "-std=c++20", "-DHEADWISE_PYTHON_MODULE", "-fopenmp"] + system + warn
+    openmp_link = ["-fopenmp"]
     cpu_sources = ["csrc/registration.cpp"] + _sources("*/*_cpu.cpp")
     # The emulated library: the emulator, its self-test kernels, and every *_sim.cpp.
     sim_sources = ["csrc/register_sim.cpp"] + _sources("common/simt/*.cpp", "*/*_sim.cpp")
@@ -145,12 +152,15 @@ def extensions():
             cpu_sources + ["csrc/register_cuda.cu"] + _sources("*/*_cuda.cu"),
             include_dirs=_extra_cuda_includes(),
             extra_compile_args={"cxx": cxx + ["-DHEADWISE_WITH_NVTX"], "nvcc": nvcc},
+            extra_link_args=openmp_link,
         )
     else:
-        op_lib = CppExtension("headwise._C", cpu_sources, extra_compile_args={"cxx": cxx})
+        op_lib = CppExtension("headwise._C", cpu_sources, extra_compile_args={"cxx": cxx},
+                              extra_link_args=openmp_link)
     # Kernel sources carry `#pragma unroll` for nvcc, which the host compiler does not know.
     sim_lib = CppExtension("headwise._sim", sim_sources,
-                           extra_compile_args={"cxx": cxx + ["-Wno-unknown-pragmas"]})
+                           extra_compile_args={"cxx": cxx + ["-Wno-unknown-pragmas"]},
+                           extra_link_args=openmp_link)
     print(f"headwise: building {'CPU + CUDA' if with_cuda else 'CPU'} op library and the emulated library")
     return [op_lib, sim_lib]
 

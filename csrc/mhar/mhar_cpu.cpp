@@ -5,10 +5,11 @@
 //
 // Forward, per position: one pass over the N rows with the running-max softmax.
 // Backward, per position: pass 1 forms r_n, a[n,h] = <dout_h, s_n[h]> and S_h; pass 2
-// re-reads each row (from cache) and emits ds_n and the dq/dg contributions. dq and dg
-// are summed per fixed chunk of kChunk positions and then over chunks in order, so the
+// re-reads each row (from cache) and emits ds_n and z += dl u_n (dq = g z, dg = q z).
+// z is summed per fixed chunk of kChunk positions and then over chunks in order, so the
 // result does not depend on the number of threads.
 #include "../common/cpu_convert.h"
+#include "../common/cpu_simd.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
 #include "mhar_args.h"
@@ -31,49 +32,11 @@ namespace headwise {
 namespace mhar {
 namespace {
 
-constexpr int64_t kChunk = 16;  // positions per dq/dg partial in the backward
+constexpr int64_t kChunk = 16;  // positions per z partial in the backward
 
-// Helpers are force-inlined into the multi-versioned entries below, so that each clone
-// compiles them for its own instruction set.
-#define HW_CPU_INLINE inline __attribute__((always_inline))
-
-// Sum of x[j] * y[j] over j < n (n <= 128): 16 independent lanes, then a lane tree.
-template <typename A>
-HW_CPU_INLINE A dot_block(const A* __restrict x, const A* __restrict y, int64_t n) {
-  A part[16] = {};
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16)
-    for (int k = 0; k < 16; ++k) part[k] += x[j + k] * y[j + k];
-  A s = 0;
-  for (; j < n; ++j) s += x[j] * y[j];
-  for (int w = 8; w > 0; w /= 2)
-    for (int k = 0; k < w; ++k) part[k] += part[k + w];
-  return s + part[0];
-}
-
-// Sum of x[j] * y[j] over j < n in a fixed order: blocks of 128 elements, block sums
-// combined pairwise, so the rounding error grows with log(n) rather than n.
-template <typename A>
-HW_CPU_INLINE A dot(const A* __restrict x, const A* __restrict y, int64_t n) {
-  if (n <= 128) return dot_block(x, y, n);
-  A sums[64];  // n <= 8192 on every path that reaches here in practice; larger n folds below
-  int64_t count = 0;
-  for (int64_t j = 0; j < n; j += 128) {
-    const A b = dot_block(x + j, y + j, std::min<int64_t>(128, n - j));
-    if (count == 64) {  // keep the buffer bounded for very wide rows
-      for (int k = 0; k < 32; ++k) sums[k] = sums[2 * k] + sums[2 * k + 1];
-      count = 32;
-    }
-    sums[count++] = b;
-  }
-  while (count > 1) {
-    const int64_t half = count / 2;
-    for (int64_t k = 0; k < half; ++k) sums[k] = sums[2 * k] + sums[2 * k + 1];
-    if (count % 2) sums[half] = sums[count - 1];
-    count = half + count % 2;
-  }
-  return sums[0];
-}
+// Helpers are force-inlined (HW_CPU_INLINE) into the multi-versioned entries below, so
+// that each clone compiles them for its own instruction set.
+using cpu::sums;
 
 // The row src[0, n) in the accumulation type: src itself when T is A, else widened into
 // scratch.
@@ -98,15 +61,18 @@ struct Call {
   const void* grad_out;
   void* out;       // forward: out [B, T, d]; backward: grad_sources [N_max, B, T, d]
   void* weights;   // [N, B, T, H] in A
-  void* partial;   // backward: [chunks, 2, d] in A
+  void* partial;   // backward: z partials [chunks, d] in A
   int64_t seq, positions, d, heads, head_dim, num_sources;
   double eps;
 };
 
-// ug[j] = round_T(x[j] * r) * g[j]
-template <typename T, typename A>
-HW_CPU_INLINE void scaled_key(const A* __restrict x, const A* __restrict g, A r, A* __restrict ug, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) ug[j] = cpu::round_to<T>(x[j] * r) * g[j];
+// Prefetches the n elements at p into cache (the row the next position will read): the
+// rows of one position lie N_max apart in memory, more streams than the hardware
+// prefetcher follows, and the kernels are bound by these reads.
+template <typename T>
+HW_CPU_INLINE void prefetch_row(const T* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(bytes + off);
 }
 
 // acc[k] = acc[k] * alpha + p * x[k]
@@ -126,16 +92,14 @@ HW_CPU_INLINE void normalize_store(const A* __restrict acc, A inv, const T* __re
 }
 
 // One head's slice of pass 2 of the backward (see the file comment of mhar_kernel.cuh):
-//   ds[k] = w dout[k] + r dl q[k] g[k] - r^3 c x[k] / d,  dq[k] += dl g[k] u[k],  dg[k] += dl q[k] u[k]
+//   ds[k] = w dout[k] + r dl q[k] g[k] - r^3 c x[k] / d,   z[k] += dl u[k]
+// (dq = g z and dg = q z once z is summed over sources and positions).
 template <typename T, typename A>
-HW_CPU_INLINE void emit_source_grad(const A* __restrict x, const A* __restrict dout, const A* __restrict q,
-                             const A* __restrict g, const A* __restrict qg, A r, A wv, A dl, A r3c,
-                             T* __restrict ds, A* __restrict dq, A* __restrict dg, int64_t n) {
+HW_CPU_INLINE void emit_source_grad(const A* __restrict x, const A* __restrict dout, const A* __restrict qg,
+                                    A r, A wv, A dl, A r3c, T* __restrict ds, A* __restrict z, int64_t n) {
   for (int64_t k = 0; k < n; ++k) {
-    const A u = cpu::round_to<T>(x[k] * r);
     ds[k] = cpu::to_storage<T>(wv * dout[k] + r * dl * qg[k] - r3c * x[k]);
-    dq[k] += dl * g[k] * u;
-    dg[k] += dl * q[k] * u;
+    z[k] += dl * cpu::round_to<T>(x[k] * r);
   }
 }
 
@@ -144,30 +108,66 @@ HW_CPU_INLINE void forward_positions(const Call& c, int64_t p0, int64_t p1) {
   const int64_t d = c.d, H = c.heads, K = c.head_dim, N = c.num_sources;
   const A* q = static_cast<const A*>(c.query);
   const A* g = static_cast<const A*>(c.norm_weight);
+  const A inv_d = A(1) / static_cast<A>(d);
   A* w = static_cast<A*>(c.weights);
-  std::vector<A> buf(3 * d + 2 * H);
+  std::vector<A> buf(3 * d + 3 * H);
   A* xbuf = buf.data();
-  A* ug = xbuf + d;
-  A* acc = ug + d;
-  A* mx = acc + d;
+  A* gq = xbuf + d;
+  A* acc = gq + d;
+  A* logit = acc + d;
+  A* mx = logit + H;
   A* den = mx + H;
+  for (int64_t j = 0; j < d; ++j) gq[j] = g[j] * q[j];
   for (int64_t pos = p0; pos < p1; ++pos) {
     const int64_t b = pos / c.seq, t = pos % c.seq;
     const T* src = static_cast<const T*>(c.sources) + b * c.sb + t * c.st;
     std::fill(acc, acc + d, A(0));
     std::fill(mx, mx + H, -INFINITY);
     std::fill(den, den + H, A(0));
+    const int64_t next = pos + 1 < p1 ? pos + 1 : pos;
+    const T* src_next = static_cast<const T*>(c.sources) + (next / c.seq) * c.sb + (next % c.seq) * c.st;
     for (int64_t n = 0; n < N; ++n) {
       const A* x = as_acc(src + n * c.sn, xbuf, d);
-      const A r = A(1) / std::sqrt(dot(x, x, d) / static_cast<A>(d) + static_cast<A>(c.eps));
-      scaled_key<T>(x, g, r, ug, d);
+      prefetch_row(src_next + n * c.sn, d);
+      A r;
+      if constexpr (std::is_same_v<T, A>) {
+        // No storage rounding: l_h = r <x_h, g_h q_h>, formed in the same pass as the RMS.
+        A sumsq = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          const A* xh = x + h * K;
+          const A* gqh = gq + h * K;
+          A v[2];
+          sums<2>(K, [&](auto ld, auto& t) {
+            const auto xv = ld(xh);
+            t[0] = xv * xv;
+            t[1] = xv * ld(gqh);
+          }, v);
+          sumsq += v[0];
+          logit[h] = v[1];
+        }
+        r = A(1) / std::sqrt(sumsq * inv_d + static_cast<A>(c.eps));
+        for (int64_t h = 0; h < H; ++h) logit[h] *= r;
+      } else {
+        // The key is rounded to T after scaling by r: l_h = <round_T(x_h r) g_h, q_h>.
+        A v[1];
+        sums<1>(d, [&](auto ld, auto& t) { t[0] = ld(x) * ld(x); }, v);
+        r = A(1) / std::sqrt(v[0] * inv_d + static_cast<A>(c.eps));
+        for (int64_t h = 0; h < H; ++h) {
+          const A* xh = x + h * K;
+          const A* gh = g + h * K;
+          const A* qh = q + h * K;
+          sums<1>(K, [&](auto ld, auto& t) { t[0] = cpu::round_to<T>(ld(xh) * r) * ld(gh) * ld(qh); }, v);
+          logit[h] = v[0];
+        }
+      }
       for (int64_t h = 0; h < H; ++h) {
-        const A l = dot(ug + h * K, q + h * K, K);
-        const A new_max = std::max(mx[h], l);
-        const A alpha = std::exp(mx[h] - new_max);
-        const A p = std::exp(l - new_max);
+        // One exp per fold: the old terms rescale (alpha < 1) or the new one does (p < 1).
+        const A l = logit[h];
+        const bool new_max = l > mx[h];
+        const A alpha = new_max ? std::exp(mx[h] - l) : A(1);
+        const A p = new_max ? A(1) : std::exp(l - mx[h]);
+        if (new_max) mx[h] = l;
         den[h] = den[h] * alpha + p;
-        mx[h] = new_max;
         rescale_add(acc + h * K, x + h * K, alpha, p, K);
         w[(n * c.positions + pos) * H + h] = l;  // raw logit; normalized below
       }
@@ -185,23 +185,25 @@ HW_CPU_INLINE void forward_positions(const Call& c, int64_t p0, int64_t p1) {
   }
 }
 
+// Backward of the positions of one chunk; leaves z = sum_{n,pos} dl[n,h] u_n in the
+// chunk's row of c.partial.
 template <typename T, typename A>
 HW_CPU_INLINE void backward_chunk(const Call& c, int64_t chunk) {
   const int64_t d = c.d, H = c.heads, K = c.head_dim, N = c.num_sources;
   const A* q = static_cast<const A*>(c.query);
   const A* g = static_cast<const A*>(c.norm_weight);
   const A* w = static_cast<const A*>(c.weights);
-  A* dq = static_cast<A*>(c.partial) + chunk * 2 * d;
-  A* dg = dq + d;
-  std::fill(dq, dq + 2 * d, A(0));
-  std::vector<A> buf(3 * d + 2 * N * H + N + H);
+  A* z = static_cast<A*>(c.partial) + chunk * d;
+  std::fill(z, z + d, A(0));
+  std::vector<A> buf(3 * d + 3 * N * H + N + H);
   A* xbuf = buf.data();
   A* doutbuf = xbuf + d;
   A* qg = doutbuf + d;
-  A* dot_ho = qg + d;  // a[n, h] = <dout_h, s_n[h]>
-  A* dl = dot_ho + N * H;  // dl[n, h]
+  A* dot_a = qg + d;        // a[n, h] = <dout_h, s_n[h]>
+  A* dot_b = dot_a + N * H;  // b[n, h] = <(q g)_h, s_n[h]>
+  A* dl = dot_b + N * H;     // dl[n, h]
   A* rn = dl + N * H;
-  A* coupling = rn + N;  // S_h
+  A* coupling = rn + N;      // S_h
   for (int64_t j = 0; j < d; ++j) qg[j] = q[j] * g[j];
   const A inv_d = A(1) / static_cast<A>(d);
   const int64_t p1 = std::min(c.positions, (chunk + 1) * kChunk);
@@ -212,29 +214,43 @@ HW_CPU_INLINE void backward_chunk(const Call& c, int64_t chunk) {
     const int64_t wstride = c.positions * H;
     const A* dout = as_acc(static_cast<const T*>(c.grad_out) + pos * d, doutbuf, d);
     std::fill(coupling, coupling + H, A(0));
-    for (int64_t n = 0; n < N; ++n) {  // pass 1
+    const int64_t next = pos + 1 < p1 ? pos + 1 : pos;
+    const T* src_next = static_cast<const T*>(c.sources) + (next / c.seq) * c.sb + (next % c.seq) * c.st;
+    prefetch_row(static_cast<const T*>(c.grad_out) + next * d, d);
+    for (int64_t n = 0; n < N; ++n) {  // pass 1: r_n, a[n, h], b[n, h], S_h in one read
       const A* x = as_acc(src + n * c.sn, xbuf, d);
-      rn[n] = A(1) / std::sqrt(dot(x, x, d) * inv_d + static_cast<A>(c.eps));
+      prefetch_row(src_next + n * c.sn, d);
+      A sumsq = 0;
       for (int64_t h = 0; h < H; ++h) {
-        const A a = dot(dout + h * K, x + h * K, K);
-        dot_ho[n * H + h] = a;
-        coupling[h] += wpos[n * wstride + h] * a;
+        const int64_t o = h * K;
+        A v[3];
+        sums<3>(K, [&](auto ld, auto& t) {
+          const auto xv = ld(x + o);
+          t[0] = xv * xv;
+          t[1] = ld(dout + o) * xv;
+          t[2] = ld(qg + o) * xv;
+        }, v);
+        sumsq += v[0];
+        dot_a[n * H + h] = v[1];
+        dot_b[n * H + h] = v[2];
+        coupling[h] += wpos[n * wstride + h] * v[1];
       }
+      rn[n] = A(1) / std::sqrt(sumsq * inv_d + static_cast<A>(c.eps));
     }
-    for (int64_t n = 0; n < N; ++n) {  // pass 2
+    for (int64_t n = 0; n < N; ++n) {  // pass 2: emit ds_n, accumulate z
       const A* x = as_acc(src + n * c.sn, xbuf, d);
       const A r = rn[n];
-      A cn = 0;  // c_n = <du_n, s_n> = sum_h dl[n,h] <qg_h, s_n[h]>
+      A cn = 0;  // c_n = <du_n, s_n> = sum_h dl[n,h] b[n,h]
       for (int64_t h = 0; h < H; ++h) {
-        dl[n * H + h] = wpos[n * wstride + h] * (dot_ho[n * H + h] - coupling[h]);
-        cn += dl[n * H + h] * dot(qg + h * K, x + h * K, K);
+        dl[n * H + h] = wpos[n * wstride + h] * (dot_a[n * H + h] - coupling[h]);
+        cn += dl[n * H + h] * dot_b[n * H + h];
       }
       const A r3c = r * r * r * cn * inv_d;
       T* ds = static_cast<T*>(c.out) + (n * c.positions + pos) * d;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t o = h * K;
-        emit_source_grad<T>(x + o, dout + o, q + o, g + o, qg + o, r, wpos[n * wstride + h], dl[n * H + h],
-                            r3c, ds + o, dq + o, dg + o, K);
+        emit_source_grad<T>(x + o, dout + o, qg + o, r, wpos[n * wstride + h], dl[n * H + h], r3c,
+                            ds + o, z + o, K);
       }
     }
   }
@@ -330,7 +346,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_backward_cpu(
   if (s.num_sources < s.max_sources)
     grad_sources.narrow(0, s.num_sources, s.max_sources - s.num_sources).zero_();
   const int64_t chunks = (s.positions() + kChunk - 1) / kChunk;
-  at::Tensor partial = new_output({chunks, 2, s.d}, sources.options().dtype(acc));
+  at::Tensor partial = new_output({chunks, s.d}, sources.options().dtype(acc));
 
   Call c{};
   c.sources = sources.data_ptr();
@@ -354,11 +370,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_backward_cpu(
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t chunk = c0; chunk < c1; ++chunk) backward(c, chunk);
   });
-  // Second stage: sum the chunk partials in chunk order (a fixed, thread-count-free order).
-  at::Tensor grads = at::zeros({2, s.d}, partial.options());
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) grads.add_(partial[chunk]);
-  return {grad_sources, grads[0].to(query.scalar_type()).clone(),
-          grads[1].to(norm_weight.scalar_type()).clone()};
+  // Second stage: z = sum of the chunk partials in chunk order (an order that does not
+  // depend on the thread count); dq = g z, dg = q z.
+  at::Tensor z = at::zeros({s.d}, partial.options());
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) z.add_(partial[chunk]);
+  return {grad_sources, (z * g).to(query.scalar_type()), (z * q).to(norm_weight.scalar_type())};
 }
 
 }  // namespace mhar

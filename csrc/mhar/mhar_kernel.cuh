@@ -13,7 +13,7 @@
 //   dl[n,h]  = w[n,h] (a[n,h] - S_h)
 //   du_n[j]  = dl[n,h(j)] q[j] g[j],  c_n = <du_n, s_n>
 //   ds_n[j]  = w[n,h(j)] dout[j] + r_n du_n[j] - r_n^3 s_n[j] c_n / d
-//   dq[j]   += dl[n,h(j)] g[j] u_n[j],   dg[j] += dl[n,h(j)] q[j] u_n[j]
+//   z[j]    += dl[n,h(j)] u_n[j]      (over n and positions; dq = g z, dg = q z)
 //
 // Thread layout: the row is cut into nvec = d / VEC vectors of VEC elements; thread
 // `tid` owns vectors v = tid + i * blockDim.x for i < ITEMS (v < nvec). VEC divides K,
@@ -58,8 +58,7 @@ struct BwdParams {
   const float* norm_weight;  // [d]
   const float* weights;      // [N, B, T, H] contiguous
   void* grad_sources;        // [N_max, B, T, d] contiguous; rows < N written here
-  float* grad_query_partial;  // [gridDim.x, d]
-  float* grad_norm_partial;   // [gridDim.x, d]
+  float* z_partial;          // [gridDim.x, d]: per-block sums of dl[n,h(j)] u_n[j]
   int64_t src_stride_n, src_stride_b, src_stride_t;
   int64_t seq, positions, d, heads, head_dim;
   int num_sources;
@@ -245,8 +244,9 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_fwd_kernel(c
 }
 
 // Persistent blocks: block j handles positions j, j + gridDim.x, ... and leaves its
-// query / norm-weight gradient partials in row j of the partial buffers, so that the
-// final sum over blocks (mhar_param_grad_reduce_kernel) has a fixed order.
+// partial z (the query / norm-weight gradients up to a factor g or q) in row j of
+// z_partial, so that the final sum over blocks (mhar_param_grad_reduce_kernel) has a
+// fixed order.
 template <typename T, int VEC, int ITEMS, HeadReduce MODE>
 __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(const BwdParams p) {
   const int tid = threadIdx.x;
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
   hw::BlockSum block_sum(smem);
   HeadSum<ITEMS, MODE> head_sum(smem + 64, nvec, kv, heads);
 
-  float q[ITEMS][VEC], g[ITEMS][VEC], dq[ITEMS][VEC], dg[ITEMS][VEC];
+  float q[ITEMS][VEC], g[ITEMS][VEC], z[ITEMS][VEC];
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const int v = tid + i * nthreads;
@@ -268,8 +268,7 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
     for (int k = 0; k < VEC; ++k) {
       q[i][k] = 0.f;
       g[i][k] = 0.f;
-      dq[i][k] = 0.f;
-      dg[i][k] = 0.f;
+      z[i][k] = 0.f;
     }
     if (v < nvec) {
       hw::load_as_float<VEC>(p.query + v * VEC, q[i]);
@@ -319,7 +318,7 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
       }
     }
 
-    // Pass 2: recompute r_n and the head dots, emit ds_n, accumulate dq and dg.
+    // Pass 2: recompute r_n and the head dots, emit ds_n, accumulate z.
     for (int n = 0; n < p.num_sources; ++n) {
       const T* row = src + n * p.src_stride_n;
       float x[ITEMS][VEC];
@@ -356,8 +355,7 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
         for (int k = 0; k < VEC; ++k) {
           const float u = hw::round_to<T>(x[i][k] * r);
           c_part += dl[i] * q[i][k] * g[i][k] * x[i][k];
-          dq[i][k] += dl[i] * g[i][k] * u;
-          dg[i][k] += dl[i] * q[i][k] * u;
+          z[i][k] += dl[i] * u;
         }
       }
       const float c = block_sum(c_part);
@@ -383,22 +381,21 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
   for (int i = 0; i < ITEMS; ++i) {
     const int v = tid + i * nthreads;
     if (v >= nvec) continue;
-    hw::store_from_float<VEC>(p.grad_query_partial + blockIdx.x * p.d + v * VEC, dq[i]);
-    hw::store_from_float<VEC>(p.grad_norm_partial + blockIdx.x * p.d + v * VEC, dg[i]);
+    hw::store_from_float<VEC>(p.z_partial + blockIdx.x * p.d + v * VEC, z[i]);
   }
 }
 
-// Second stage of the query / norm-weight gradients: out[y][j] = sum_r partial[y][r][j]
-// over the `rows` block partials in ascending order (blockIdx.y picks the tensor).
+// Second stage of the query / norm-weight gradients: z[j] = sum_r z_partial[r][j] over
+// the `rows` block partials in ascending order, then dq[j] = g[j] z[j], dg[j] = q[j] z[j].
 __global__ void __launch_bounds__(256) mhar_param_grad_reduce_kernel(
-    const float* __restrict__ grad_query_partial, const float* __restrict__ grad_norm_partial,
-    int64_t rows, int64_t d, float* __restrict__ grad_query, float* __restrict__ grad_norm) {
+    const float* __restrict__ z_partial, int64_t rows, int64_t d, const float* __restrict__ query,
+    const float* __restrict__ norm_weight, float* __restrict__ grad_query, float* __restrict__ grad_norm) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= d) return;
-  const float* partial = blockIdx.y == 0 ? grad_query_partial : grad_norm_partial;
-  float s = 0.f;
-  for (int64_t r = 0; r < rows; ++r) s += partial[r * d + j];
-  (blockIdx.y == 0 ? grad_query : grad_norm)[j] = s;
+  float z = 0.f;
+  for (int64_t r = 0; r < rows; ++r) z += z_partial[r * d + j];
+  grad_query[j] = norm_weight[j] * z;
+  grad_norm[j] = query[j] * z;
 }
 
 }  // namespace mhar

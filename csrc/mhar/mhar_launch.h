@@ -186,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward)(
                       aligned_for_vec8(g);
     const Plan plan = make_plan(s, vec8);
     const int64_t blocks = std::min(s.positions(), kBwdBlocks);
-    at::Tensor partial = new_output({2, blocks, s.d}, sources.options().dtype(at::kFloat));
+    at::Tensor z_partial = new_output({blocks, s.d}, sources.options().dtype(at::kFloat));
 
     BwdParams p{};
     p.grad_out = dout.data_ptr();
@@ -195,8 +195,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward)(
     p.norm_weight = g.data_ptr<float>();
     p.weights = w.data_ptr<float>();
     p.grad_sources = grad_sources.data_ptr();
-    p.grad_query_partial = partial[0].data_ptr<float>();
-    p.grad_norm_partial = partial[1].data_ptr<float>();
+    p.z_partial = z_partial.data_ptr<float>();
     p.src_stride_n = sources.stride(0);
     p.src_stride_b = sources.stride(1);
     p.src_stride_t = sources.stride(2);
@@ -220,8 +219,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward)(
     });
     const unsigned reduce_blocks = static_cast<unsigned>((s.d + 255) / 256);
     auto reduce = &mhar_param_grad_reduce_kernel;
-    HW_LAUNCH("mhar_param_grad_reduce", reduce, dim3(reduce_blocks, 2), dim3(256), 0,
-              partial[0].data_ptr<float>(), partial[1].data_ptr<float>(), blocks, s.d,
+    HW_LAUNCH("mhar_param_grad_reduce", reduce, dim3(reduce_blocks), dim3(256), 0,
+              z_partial.data_ptr<float>(), blocks, s.d, q.data_ptr<float>(), g.data_ptr<float>(),
               grad_query.data_ptr<float>(), grad_norm.data_ptr<float>());
   }
   return {grad_sources, grad_query.to(query.scalar_type()), grad_norm.to(norm_weight.scalar_type())};
