@@ -52,26 +52,27 @@ inline Shape check_route_args(const at::Tensor& sources, const at::Tensor& query
   return s;
 }
 
+// t must be shaped and typed like the output: [B, T, d] in the sources' dtype and device.
+inline void check_like_output(const char* op, const at::Tensor& t, const char* name,
+                              const at::Tensor& sources, const Shape& s) {
+  check_dim(op, t, name, 3);
+  check_size(op, t, name, 0, s.batch, "B of sources");
+  check_size(op, t, name, 1, s.seq, "T of sources");
+  check_size(op, t, name, 2, s.d, "d of sources");
+  check_same_dtype(op, t, name, sources, "sources");
+  check_same_device(op, t, name, sources, "sources");
+}
+
 inline void check_residual(const at::Tensor& residual, const at::Tensor& sources, const Shape& s) {
   constexpr const char* op = "mhar_route";
-  check_dim(op, residual, "residual", 3);
-  check_size(op, residual, "residual", 0, s.batch, "B of sources");
-  check_size(op, residual, "residual", 1, s.seq, "T of sources");
-  check_size(op, residual, "residual", 2, s.d, "d of sources");
-  check_same_dtype(op, residual, "residual", sources, "sources");
-  check_same_device(op, residual, "residual", sources, "sources");
+  check_like_output(op, residual, "residual", sources, s);
   check_last_dim_contiguous(op, residual, "residual");
 }
 
 inline void check_backward_args(const at::Tensor& grad_out, const at::Tensor& sources,
                                 const at::Tensor& weights, const Shape& s) {
   constexpr const char* op = "mhar_route_backward";
-  check_dim(op, grad_out, "grad_out", 3);
-  check_size(op, grad_out, "grad_out", 0, s.batch, "B of sources");
-  check_size(op, grad_out, "grad_out", 1, s.seq, "T of sources");
-  check_size(op, grad_out, "grad_out", 2, s.d, "d of sources");
-  check_same_dtype(op, grad_out, "grad_out", sources, "sources");
-  check_same_device(op, grad_out, "grad_out", sources, "sources");
+  check_like_output(op, grad_out, "grad_out", sources, s);
   check_dim(op, weights, "weights", 4);
   TORCH_CHECK_TYPE(weights.scalar_type() == weights_dtype(sources),
                    "headwise.mhar_route_backward: weights must be ", weights_dtype(sources),

@@ -283,6 +283,26 @@ std::pair<ForwardFn, BackwardFn> kernels_for(at::ScalarType dtype) {
   }
 }
 
+// The fields of a Call that forward and backward share; q, g in the accumulation dtype.
+Call make_call(const at::Tensor& sources, const at::Tensor& q, const at::Tensor& g, const Shape& s,
+               double eps) {
+  Call c{};
+  c.sources = sources.data_ptr();
+  c.sn = sources.stride(0);
+  c.sb = sources.stride(1);
+  c.st = sources.stride(2);
+  c.query = q.data_ptr();
+  c.norm_weight = g.data_ptr();
+  c.seq = s.seq;
+  c.positions = s.positions();
+  c.d = s.d;
+  c.heads = s.heads;
+  c.head_dim = s.head_dim;
+  c.num_sources = s.num_sources;
+  c.eps = eps;
+  return c;
+}
+
 void check_cpu(const at::Tensor& sources, const char* op) {
   TORCH_CHECK(sources.device().is_cpu(), "headwise.", op, ": sources is on ", sources.device(),
               " but the CPU backend takes CPU tensors");
@@ -304,25 +324,12 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& sources, const at
   at::Tensor out = new_output({s.batch, s.seq, s.d}, sources.options());
   at::Tensor weights = new_output({s.num_sources, s.batch, s.seq, s.heads}, sources.options().dtype(acc));
 
-  Call c{};
-  c.sources = sources.data_ptr();
-  c.sn = sources.stride(0);
-  c.sb = sources.stride(1);
-  c.st = sources.stride(2);
-  c.query = q.data_ptr();
-  c.norm_weight = g.data_ptr();
+  Call c = make_call(sources, q, g, s, eps);
   c.residual = residual.has_value() ? residual->data_ptr() : nullptr;
   c.rb = residual.has_value() ? residual->stride(0) : 0;
   c.rt = residual.has_value() ? residual->stride(1) : 0;
   c.out = out.data_ptr();
   c.weights = weights.data_ptr();
-  c.seq = s.seq;
-  c.positions = s.positions();
-  c.d = s.d;
-  c.heads = s.heads;
-  c.head_dim = s.head_dim;
-  c.num_sources = s.num_sources;
-  c.eps = eps;
   const ForwardFn forward = kernels_for(sources.scalar_type()).first;
   const int64_t grain = std::max<int64_t>(1, 32768 / (s.d * s.num_sources));
   at::parallel_for(0, s.positions(), grain, [&](int64_t p0, int64_t p1) { forward(c, p0, p1); });
@@ -348,24 +355,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_backward_cpu(
   const int64_t chunks = (s.positions() + kChunk - 1) / kChunk;
   at::Tensor partial = new_output({chunks, s.d}, sources.options().dtype(acc));
 
-  Call c{};
-  c.sources = sources.data_ptr();
-  c.sn = sources.stride(0);
-  c.sb = sources.stride(1);
-  c.st = sources.stride(2);
-  c.query = q.data_ptr();
-  c.norm_weight = g.data_ptr();
+  Call c = make_call(sources, q, g, s, eps);
   c.grad_out = dout.data_ptr();
   c.out = grad_sources.data_ptr();
   c.weights = w.data_ptr();
   c.partial = partial.data_ptr();
-  c.seq = s.seq;
-  c.positions = s.positions();
-  c.d = s.d;
-  c.heads = s.heads;
-  c.head_dim = s.head_dim;
-  c.num_sources = s.num_sources;
-  c.eps = eps;
   const BackwardFn backward = kernels_for(sources.scalar_type()).second;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t chunk = c0; chunk < c1; ++chunk) backward(c, chunk);

@@ -37,33 +37,51 @@ enum class HeadReduce : int {
   kGeneric = 2,  // anything else: partials in smem, one warp per head
 };
 
-struct FwdParams {
+// What both kernels read: the sources and the routing parameters, with the geometry.
+struct Routing {
   const void* sources;       // [N_max, B, T, d], stride-1 last dim
   const float* query;        // [d]
   const float* norm_weight;  // [d]
-  const void* residual;      // [B, T, d] or nullptr
-  void* out;                 // [B, T, d] contiguous
-  float* weights;            // [N, B, T, H] contiguous
   int64_t src_stride_n, src_stride_b, src_stride_t;
-  int64_t res_stride_b, res_stride_t;
-  int64_t seq, positions, d, heads, head_dim;
+  int64_t seq, positions, d, heads, head_dim;  // positions = B * T
   int num_sources;
   float eps;
 };
 
+struct FwdParams {
+  Routing route;
+  const void* residual;      // [B, T, d] or nullptr
+  int64_t res_stride_b, res_stride_t;
+  void* out;                 // [B, T, d] contiguous
+  float* weights;            // [N, B, T, H] contiguous
+};
+
 struct BwdParams {
+  Routing route;
   const void* grad_out;      // [B, T, d] contiguous
-  const void* sources;       // [N_max, B, T, d], stride-1 last dim
-  const float* query;        // [d]
-  const float* norm_weight;  // [d]
   const float* weights;      // [N, B, T, H] contiguous
   void* grad_sources;        // [N_max, B, T, d] contiguous; rows < N written here
   float* z_partial;          // [gridDim.x, d]: per-block sums of dl[n,h(j)] u_n[j]
-  int64_t src_stride_n, src_stride_b, src_stride_t;
-  int64_t seq, positions, d, heads, head_dim;
-  int num_sources;
-  float eps;
 };
+
+// Loads the thread's vectors of query and norm weight (zeros for v >= nvec).
+template <int ITEMS, int VEC>
+__device__ __forceinline__ void load_routing_params(const Routing& r, int nvec, float (&q)[ITEMS][VEC],
+                                                    float (&g)[ITEMS][VEC]) {
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      q[i][k] = 0.f;
+      g[i][k] = 0.f;
+    }
+    if (v < nvec) {
+      hw::load_as_float<VEC>(r.query + v * VEC, q[i]);
+      hw::load_as_float<VEC>(r.norm_weight + v * VEC, g[i]);
+    }
+  }
+}
 
 // Floats of the per-call head-partial buffer: the warp sums (kWarps) or the vector
 // partials (kGeneric) of one row.
@@ -143,101 +161,91 @@ class HeadSum {
   unsigned calls_ = 0;
 };
 
-// One block per position. Loop over the N source rows once, folding each row into
+// One block per position (b, t). Loop over the N source rows once, folding each row into
 // a [ITEMS, VEC] fp32 accumulator with the running-max softmax. The raw logit of
 // (n, h) is stored by the head's first thread and rescaled into w at the end.
 template <typename T, int VEC, int ITEMS, HeadReduce MODE>
 __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_fwd_kernel(const FwdParams p) {
   const int tid = threadIdx.x;
   const int nthreads = blockDim.x;
-  const int64_t pos = blockIdx.x;
-  const int64_t b = pos / p.seq;
-  const int64_t t = pos - b * p.seq;
-  const int nvec = static_cast<int>(p.d / VEC);
-  const int kv = static_cast<int>(p.head_dim / VEC);
-  const float inv_d = 1.f / static_cast<float>(p.d);
+  const int nvec = static_cast<int>(p.route.d / VEC);
+  const int kv = static_cast<int>(p.route.head_dim / VEC);
+  const float inv_d = 1.f / static_cast<float>(p.route.d);
 
   float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
   hw::BlockSum block_sum(smem);
-  HeadSum<ITEMS, MODE> head_sum(smem + 64, nvec, kv, static_cast<int>(p.heads));
+  HeadSum<ITEMS, MODE> head_sum(smem + 64, nvec, kv, static_cast<int>(p.route.heads));
 
-  const T* src = static_cast<const T*>(p.sources) + b * p.src_stride_b + t * p.src_stride_t;
+  float q[ITEMS][VEC], g[ITEMS][VEC];
+  load_routing_params(p.route, nvec, q, g);
 
-  float q[ITEMS][VEC], g[ITEMS][VEC], acc[ITEMS][VEC];
-  hw::OnlineSoftmax sm[ITEMS];
+  // Blocks loop over positions only when B * T exceeds the grid (2^31 - 1 blocks).
+  for (int64_t pos = blockIdx.x; pos < p.route.positions; pos += gridDim.x) {
+    const int64_t b = pos / p.route.seq;
+    const int64_t t = pos - b * p.route.seq;
+    const T* src = static_cast<const T*>(p.route.sources) + b * p.route.src_stride_b + t * p.route.src_stride_t;
+    float acc[ITEMS][VEC] = {};
+    hw::OnlineSoftmax sm[ITEMS];
+
+    for (int n = 0; n < p.route.num_sources; ++n) {
+      const T* row = src + n * p.route.src_stride_n;
+      float x[ITEMS][VEC];
+      float sumsq = 0.f;
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int v = tid + i * nthreads;
+      for (int i = 0; i < ITEMS; ++i) {
+        const int v = tid + i * nthreads;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      q[i][k] = 0.f;
-      g[i][k] = 0.f;
-      acc[i][k] = 0.f;
+        for (int k = 0; k < VEC; ++k) x[i][k] = 0.f;
+        if (v < nvec) hw::load_as_float<VEC>(row + v * VEC, x[i]);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) sumsq += x[i][k] * x[i][k];
+      }
+      const float r = rsqrtf(block_sum(sumsq) * inv_d + p.route.eps);
+
+      float logit[ITEMS];
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        float l = 0.f;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) l += (hw::round_to<T>(x[i][k] * r) * g[i][k]) * q[i][k];
+        logit[i] = l;
+      }
+      head_sum(logit);
+
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int v = tid + i * nthreads;
+        if (v >= nvec) continue;
+        float alpha, prob;
+        sm[i].fold(logit[i], alpha, prob);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[i][k] = acc[i][k] * alpha + prob * x[i][k];
+        if (v % kv == 0) p.weights[(n * p.route.positions + pos) * p.route.heads + v / kv] = logit[i];
+      }
     }
-    if (v < nvec) {
-      hw::load_as_float<VEC>(p.query + v * VEC, q[i]);
-      hw::load_as_float<VEC>(p.norm_weight + v * VEC, g[i]);
-    }
-  }
 
-  for (int n = 0; n < p.num_sources; ++n) {
-    const T* row = src + n * p.src_stride_n;
-    float x[ITEMS][VEC];
-    float sumsq = 0.f;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      const int v = tid + i * nthreads;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) x[i][k] = 0.f;
-      if (v < nvec) hw::load_as_float<VEC>(row + v * VEC, x[i]);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sumsq += x[i][k] * x[i][k];
-    }
-    const float r = rsqrtf(block_sum(sumsq) * inv_d + p.eps);
-
-    float logit[ITEMS];
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      float l = 0.f;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) l += (hw::round_to<T>(x[i][k] * r) * g[i][k]) * q[i][k];
-      logit[i] = l;
-    }
-    head_sum(logit);
-
+    T* out = static_cast<T*>(p.out) + pos * p.route.d;
+    const T* res = p.residual == nullptr
+                       ? nullptr
+                       : static_cast<const T*>(p.residual) + b * p.res_stride_b + t * p.res_stride_t;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       const int v = tid + i * nthreads;
       if (v >= nvec) continue;
-      float alpha, prob;
-      sm[i].fold(logit[i], alpha, prob);
+      const float inv_den = 1.f / sm[i].den;
+      float y[VEC];
+      float rv[VEC];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) acc[i][k] = acc[i][k] * alpha + prob * x[i][k];
-      if (v % kv == 0) p.weights[(n * p.positions + pos) * p.heads + v / kv] = logit[i];
-    }
-  }
-
-  T* out = static_cast<T*>(p.out) + pos * p.d;
-  const T* res = p.residual == nullptr
-                     ? nullptr
-                     : static_cast<const T*>(p.residual) + b * p.res_stride_b + t * p.res_stride_t;
+      for (int k = 0; k < VEC; ++k) rv[k] = 0.f;
+      if (res != nullptr) hw::load_as_float<VEC>(res + v * VEC, rv);
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int v = tid + i * nthreads;
-    if (v >= nvec) continue;
-    const float inv_den = 1.f / sm[i].den;
-    float y[VEC];
-    float rv[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) rv[k] = 0.f;
-    if (res != nullptr) hw::load_as_float<VEC>(res + v * VEC, rv);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) y[k] = acc[i][k] * inv_den + rv[k];
-    hw::store_from_float<VEC>(out + v * VEC, y);
-    if (v % kv == 0) {
-      for (int n = 0; n < p.num_sources; ++n) {
-        float* wp = p.weights + (n * p.positions + pos) * p.heads + v / kv;
-        *wp = expf(*wp - sm[i].max) * inv_den;
+      for (int k = 0; k < VEC; ++k) y[k] = acc[i][k] * inv_den + rv[k];
+      hw::store_from_float<VEC>(out + v * VEC, y);
+      if (v % kv == 0) {
+        for (int n = 0; n < p.route.num_sources; ++n) {
+          float* wp = p.weights + (n * p.route.positions + pos) * p.route.heads + v / kv;
+          *wp = expf(*wp - sm[i].max) * inv_den;
+        }
       }
     }
   }
@@ -251,37 +259,24 @@ template <typename T, int VEC, int ITEMS, HeadReduce MODE>
 __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(const BwdParams p) {
   const int tid = threadIdx.x;
   const int nthreads = blockDim.x;
-  const int nvec = static_cast<int>(p.d / VEC);
-  const int kv = static_cast<int>(p.head_dim / VEC);
-  const float inv_d = 1.f / static_cast<float>(p.d);
-  const int heads = static_cast<int>(p.heads);
+  const int nvec = static_cast<int>(p.route.d / VEC);
+  const int kv = static_cast<int>(p.route.head_dim / VEC);
+  const float inv_d = 1.f / static_cast<float>(p.route.d);
+  const int heads = static_cast<int>(p.route.heads);
 
   float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
   hw::BlockSum block_sum(smem);
   HeadSum<ITEMS, MODE> head_sum(smem + 64, nvec, kv, heads);
 
-  float q[ITEMS][VEC], g[ITEMS][VEC], z[ITEMS][VEC];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int v = tid + i * nthreads;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      q[i][k] = 0.f;
-      g[i][k] = 0.f;
-      z[i][k] = 0.f;
-    }
-    if (v < nvec) {
-      hw::load_as_float<VEC>(p.query + v * VEC, q[i]);
-      hw::load_as_float<VEC>(p.norm_weight + v * VEC, g[i]);
-    }
-  }
+  float q[ITEMS][VEC], g[ITEMS][VEC], z[ITEMS][VEC] = {};
+  load_routing_params(p.route, nvec, q, g);
 
-  for (int64_t pos = blockIdx.x; pos < p.positions; pos += gridDim.x) {
-    const int64_t b = pos / p.seq;
-    const int64_t t = pos - b * p.seq;
-    const T* src = static_cast<const T*>(p.sources) + b * p.src_stride_b + t * p.src_stride_t;
+  for (int64_t pos = blockIdx.x; pos < p.route.positions; pos += gridDim.x) {
+    const int64_t b = pos / p.route.seq;
+    const int64_t t = pos - b * p.route.seq;
+    const T* src = static_cast<const T*>(p.route.sources) + b * p.route.src_stride_b + t * p.route.src_stride_t;
     const float* wpos = p.weights + pos * heads;
-    const int64_t wstride_n = p.positions * heads;
+    const int64_t wstride_n = p.route.positions * heads;
 
     float dout[ITEMS][VEC];
 #pragma unroll
@@ -289,15 +284,15 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
       const int v = tid + i * nthreads;
 #pragma unroll
       for (int k = 0; k < VEC; ++k) dout[i][k] = 0.f;
-      if (v < nvec) hw::load_as_float<VEC>(static_cast<const T*>(p.grad_out) + pos * p.d + v * VEC, dout[i]);
+      if (v < nvec) hw::load_as_float<VEC>(static_cast<const T*>(p.grad_out) + pos * p.route.d + v * VEC, dout[i]);
     }
 
     // Pass 1: S_h = sum_n w[n,h] <dout_h, s_n[h]>.
     float coupling[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) coupling[i] = 0.f;
-    for (int n = 0; n < p.num_sources; ++n) {
-      const T* row = src + n * p.src_stride_n;
+    for (int n = 0; n < p.route.num_sources; ++n) {
+      const T* row = src + n * p.route.src_stride_n;
       float dot[ITEMS];
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
@@ -319,8 +314,8 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
     }
 
     // Pass 2: recompute r_n and the head dots, emit ds_n, accumulate z.
-    for (int n = 0; n < p.num_sources; ++n) {
-      const T* row = src + n * p.src_stride_n;
+    for (int n = 0; n < p.route.num_sources; ++n) {
+      const T* row = src + n * p.route.src_stride_n;
       float x[ITEMS][VEC];
       float dot[ITEMS];
       float sumsq = 0.f;
@@ -337,7 +332,7 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
           dot[i] += dout[i][k] * x[i][k];
         }
       }
-      const float r = rsqrtf(block_sum(sumsq) * inv_d + p.eps);
+      const float r = rsqrtf(block_sum(sumsq) * inv_d + p.route.eps);
       head_sum(dot);
 
       float wn[ITEMS], dl[ITEMS];
@@ -361,7 +356,7 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
       const float c = block_sum(c_part);
       const float r3c = r * r * r * c * inv_d;
 
-      T* ds = static_cast<T*>(p.grad_sources) + (n * p.positions + pos) * p.d;
+      T* ds = static_cast<T*>(p.grad_sources) + (n * p.route.positions + pos) * p.route.d;
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
         const int v = tid + i * nthreads;
@@ -381,7 +376,7 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
   for (int i = 0; i < ITEMS; ++i) {
     const int v = tid + i * nthreads;
     if (v >= nvec) continue;
-    hw::store_from_float<VEC>(p.z_partial + blockIdx.x * p.d + v * VEC, z[i]);
+    hw::store_from_float<VEC>(p.z_partial + blockIdx.x * p.route.d + v * VEC, z[i]);
   }
 }
 

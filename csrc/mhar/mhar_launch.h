@@ -36,6 +36,8 @@ constexpr int64_t kMaxDim = 8192;
 // Persistent blocks of the backward; fixed so that the reduction order does not depend
 // on the device.
 constexpr int64_t kBwdBlocks = 1024;
+// Forward grid cap (CUDA's grid.x limit); blocks loop over positions beyond it.
+constexpr int64_t kMaxGrid = (int64_t{1} << 31) - 1;
 // Vectors per thread (ITEMS) of the vectorized (8-element) and scalar layouts.
 constexpr int kItemsVec8 = 2;
 constexpr int kItemsScalar = 8;
@@ -79,6 +81,13 @@ inline Plan make_plan(const Shape& s, bool vec8) {
   return plan;
 }
 
+// The most dynamic smem a kernel layout can use (at d = kMaxDim). Opting each kernel in
+// to this one constant, rather than to each call's size, never lowers a limit that a
+// concurrent launch from another host thread relies on.
+inline size_t max_smem_bytes(HeadReduce mode, int vec) {
+  return static_cast<size_t>(smem_floats(mode, kMaxDim / vec)) * sizeof(float);
+}
+
 // Calls f(Config<T, VEC, ITEMS, MODE>{}) for the plan.
 template <typename T, typename F>
 void dispatch_plan(const Plan& plan, F&& f) {
@@ -97,9 +106,30 @@ void dispatch_plan(const Plan& plan, F&& f) {
   }
 }
 
+// q, g: the fp32 contiguous copies of query and norm_weight.
+inline Routing make_routing(const at::Tensor& sources, const at::Tensor& q, const at::Tensor& g,
+                            const Shape& s, double eps) {
+  Routing r{};
+  r.sources = sources.data_ptr();
+  r.query = q.data_ptr<float>();
+  r.norm_weight = g.data_ptr<float>();
+  r.src_stride_n = sources.stride(0);
+  r.src_stride_b = sources.stride(1);
+  r.src_stride_t = sources.stride(2);
+  r.seq = s.seq;
+  r.positions = s.positions();
+  r.d = s.d;
+  r.heads = s.heads;
+  r.head_dim = s.head_dim;
+  r.num_sources = static_cast<int>(s.num_sources);
+  r.eps = static_cast<float>(eps);
+  return r;
+}
+
 inline void check_backend(const at::Tensor& sources, const Shape& s, const char* op) {
   TORCH_CHECK(on_backend_device(sources), "headwise.", op, ": sources is on ", sources.device(),
               " but ", kBackend);
+  dispatch_storage_dtype(sources.scalar_type(), op, "sources", [](auto) {});
   TORCH_CHECK_VALUE(s.d <= kMaxDim, "headwise.", op, ": d = ", s.d,
                     " exceeds the largest d of the CUDA kernels (", kMaxDim, ")");
 }
@@ -131,32 +161,20 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
   const Plan plan = make_plan(s, vec8);
 
   FwdParams p{};
-  p.sources = sources.data_ptr();
-  p.query = q.data_ptr<float>();
-  p.norm_weight = g.data_ptr<float>();
+  p.route = make_routing(sources, q, g, s, eps);
   p.residual = residual.has_value() ? residual->data_ptr() : nullptr;
-  p.out = out.data_ptr();
-  p.weights = weights.data_ptr<float>();
-  p.src_stride_n = sources.stride(0);
-  p.src_stride_b = sources.stride(1);
-  p.src_stride_t = sources.stride(2);
   p.res_stride_b = residual.has_value() ? residual->stride(0) : 0;
   p.res_stride_t = residual.has_value() ? residual->stride(1) : 0;
-  p.seq = s.seq;
-  p.positions = s.positions();
-  p.d = s.d;
-  p.heads = s.heads;
-  p.head_dim = s.head_dim;
-  p.num_sources = static_cast<int>(s.num_sources);
-  p.eps = static_cast<float>(eps);
+  p.out = out.data_ptr();
+  p.weights = weights.data_ptr<float>();
 
   dispatch_storage_dtype(sources.scalar_type(), "mhar_route", "sources", [&](auto tag) {
     using T = decltype(tag);
     dispatch_plan<T>(plan, [&](auto cfg) {
       using C = decltype(cfg);
       auto kernel = &mhar_route_fwd_kernel<T, C::vec, C::items, C::mode>;
-      hw::allow_dynamic_smem(kernel, plan.smem_bytes);
-      HW_LAUNCH("mhar_route_fwd", kernel, dim3(static_cast<unsigned>(s.positions())),
+      hw::allow_dynamic_smem(kernel, max_smem_bytes(C::mode, C::vec));
+      HW_LAUNCH("mhar_route_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.positions(), kMaxGrid))),
                 dim3(plan.threads), plan.smem_bytes, p);
     });
   });
@@ -183,36 +201,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward)(
   at::Tensor grad_norm = at::zeros({s.d}, sources.options().dtype(at::kFloat));
   if (s.positions() > 0) {
     const bool vec8 = s.head_dim % 8 == 0 && aligned_for_vec8(sources) && aligned_for_vec8(q) &&
-                      aligned_for_vec8(g);
+                      aligned_for_vec8(g) && aligned_for_vec8(dout);
     const Plan plan = make_plan(s, vec8);
     const int64_t blocks = std::min(s.positions(), kBwdBlocks);
     at::Tensor z_partial = new_output({blocks, s.d}, sources.options().dtype(at::kFloat));
 
     BwdParams p{};
+    p.route = make_routing(sources, q, g, s, eps);
     p.grad_out = dout.data_ptr();
-    p.sources = sources.data_ptr();
-    p.query = q.data_ptr<float>();
-    p.norm_weight = g.data_ptr<float>();
     p.weights = w.data_ptr<float>();
     p.grad_sources = grad_sources.data_ptr();
     p.z_partial = z_partial.data_ptr<float>();
-    p.src_stride_n = sources.stride(0);
-    p.src_stride_b = sources.stride(1);
-    p.src_stride_t = sources.stride(2);
-    p.seq = s.seq;
-    p.positions = s.positions();
-    p.d = s.d;
-    p.heads = s.heads;
-    p.head_dim = s.head_dim;
-    p.num_sources = static_cast<int>(s.num_sources);
-    p.eps = static_cast<float>(eps);
 
     dispatch_storage_dtype(sources.scalar_type(), "mhar_route_backward", "sources", [&](auto tag) {
       using T = decltype(tag);
       dispatch_plan<T>(plan, [&](auto cfg) {
         using C = decltype(cfg);
         auto kernel = &mhar_route_bwd_kernel<T, C::vec, C::items, C::mode>;
-        hw::allow_dynamic_smem(kernel, plan.smem_bytes);
+        hw::allow_dynamic_smem(kernel, max_smem_bytes(C::mode, C::vec));
         HW_LAUNCH("mhar_route_bwd", kernel, dim3(static_cast<unsigned>(blocks)),
                   dim3(plan.threads), plan.smem_bytes, p);
       });
