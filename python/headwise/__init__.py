@@ -8,8 +8,8 @@ on CPU tensors). The functions below are typed, differentiable wrappers.
 import torch  # noqa: F401  (the op libraries link against libtorch)
 
 from . import _C, _sim  # noqa: F401  (load torch.ops.headwise and torch.ops.headwise_sim)
-from . import reference, testing
+from . import nn, reference, testing
 from .ops import mhar_route
 
-__all__ = ["mhar_route", "reference", "testing"]
+__all__ = ["mhar_route", "nn", "reference", "testing"]
 __version__ = "0.1.0"
