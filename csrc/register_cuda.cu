@@ -6,4 +6,5 @@
 TORCH_LIBRARY_IMPL(headwise, CUDA, m) {
   m.impl("mhar_route", &headwise::mhar::route_cuda);
   m.impl("mhar_route_backward", &headwise::mhar::route_backward_cuda);
+  m.impl("mhar_route_backward_into", &headwise::mhar::route_backward_into_cuda);
 }

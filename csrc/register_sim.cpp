@@ -22,4 +22,5 @@ TORCH_LIBRARY(headwise_sim, m) { headwise::define_schemas(m); }
 TORCH_LIBRARY_IMPL(headwise_sim, CPU, m) {
   m.impl("mhar_route", &headwise::mhar::route_sim);
   m.impl("mhar_route_backward", &headwise::mhar::route_backward_sim);
+  m.impl("mhar_route_backward_into", &headwise::mhar::route_backward_into_sim);
 }

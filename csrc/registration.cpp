@@ -11,4 +11,5 @@ TORCH_LIBRARY(headwise, m) { headwise::define_schemas(m); }
 TORCH_LIBRARY_IMPL(headwise, CPU, m) {
   m.impl("mhar_route", &headwise::mhar::route_cpu);
   m.impl("mhar_route_backward", &headwise::mhar::route_backward_cpu);
+  m.impl("mhar_route_backward_into", &headwise::mhar::route_backward_into_cpu);
 }

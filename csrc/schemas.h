@@ -17,6 +17,11 @@ inline void define_schemas(torch::Library& m) {
       "mhar_route_backward(Tensor grad_out, Tensor sources, Tensor query, Tensor norm_weight, "
       "Tensor weights, int num_heads, int num_sources, float eps) -> (Tensor, Tensor, Tensor)",
       tags);
+  m.def(
+      "mhar_route_backward_into(Tensor grad_out, Tensor sources, Tensor query, Tensor norm_weight, "
+      "Tensor weights, Tensor(a!) grad_sources, int num_heads, int num_sources, float eps, "
+      "bool accumulate) -> (Tensor, Tensor)",
+      tags);
 }
 
 }  // namespace headwise

@@ -84,5 +84,18 @@ inline void check_backward_args(const at::Tensor& grad_out, const at::Tensor& so
   check_same_device(op, weights, "weights", sources, "sources");
 }
 
+// The shared gradient buffer of mhar_route_backward_into: contiguous, shaped like the
+// sources, of dtype `dtype` (fp32; fp64 for fp64 sources on the CPU backend).
+inline void check_grad_buffer(const at::Tensor& grad_sources, const at::Tensor& sources, at::ScalarType dtype) {
+  constexpr const char* op = "mhar_route_backward_into";
+  TORCH_CHECK_VALUE(grad_sources.sizes() == sources.sizes(), "headwise.", op,
+                    ": grad_sources must have the shape of sources ", shape_str(sources), ", got ",
+                    shape_str(grad_sources));
+  TORCH_CHECK_TYPE(grad_sources.scalar_type() == dtype, "headwise.", op, ": grad_sources must be ", dtype,
+                   ", got ", grad_sources.scalar_type());
+  check_same_device(op, grad_sources, "grad_sources", sources, "sources");
+  TORCH_CHECK_VALUE(grad_sources.is_contiguous(), "headwise.", op, ": grad_sources must be contiguous");
+}
+
 }  // namespace mhar
 }  // namespace headwise

@@ -60,6 +60,7 @@ struct Call {
   int64_t rb, rt;
   const void* grad_out;
   void* out;       // forward: out [B, T, d]; backward: grad_sources [N_max, B, T, d]
+  bool accumulate;  // backward: add to grad_sources instead of storing
   void* weights;   // [N, B, T, H] in A
   void* partial;   // backward: z partials [chunks, d] in A
   int64_t seq, positions, d, heads, head_dim, num_sources;
@@ -94,13 +95,19 @@ HW_CPU_INLINE void normalize_store(const A* __restrict acc, A inv, const T* __re
 // One head's slice of pass 2 of the backward (see the file comment of mhar_kernel.cuh):
 //   ds[k] = w dout[k] + r dl q[k] g[k] - r^3 c x[k] / d,   z[k] += dl u[k]
 // (dq = g z and dg = q z once z is summed over sources and positions).
-template <typename T, typename A>
+// ds has dtype G (T, or A for a DepthBuffer's accumulator); with `accumulate` the
+// gradient is added to what ds holds.
+template <typename T, typename A, typename G>
 HW_CPU_INLINE void emit_source_grad(const A* __restrict x, const A* __restrict dout, const A* __restrict qg,
-                                    A r, A wv, A dl, A r3c, T* __restrict ds, A* __restrict z, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) {
-    ds[k] = cpu::to_storage<T>(wv * dout[k] + r * dl * qg[k] - r3c * x[k]);
-    z[k] += dl * cpu::round_to<T>(x[k] * r);
+                                    A r, A wv, A dl, A r3c, bool accumulate, G* __restrict ds,
+                                    A* __restrict z, int64_t n) {
+  if (accumulate) {
+    for (int64_t k = 0; k < n; ++k)
+      ds[k] = cpu::to_storage<G>(static_cast<A>(ds[k]) + (wv * dout[k] + r * dl * qg[k] - r3c * x[k]));
+  } else {
+    for (int64_t k = 0; k < n; ++k) ds[k] = cpu::to_storage<G>(wv * dout[k] + r * dl * qg[k] - r3c * x[k]);
   }
+  for (int64_t k = 0; k < n; ++k) z[k] += dl * cpu::round_to<T>(x[k] * r);
 }
 
 template <typename T, typename A>
@@ -187,7 +194,7 @@ HW_CPU_INLINE void forward_positions(const Call& c, int64_t p0, int64_t p1) {
 
 // Backward of the positions of one chunk; leaves z = sum_{n,pos} dl[n,h] u_n in the
 // chunk's row of c.partial.
-template <typename T, typename A>
+template <typename T, typename A, typename G>
 HW_CPU_INLINE void backward_chunk(const Call& c, int64_t chunk) {
   const int64_t d = c.d, H = c.heads, K = c.head_dim, N = c.num_sources;
   const A* q = static_cast<const A*>(c.query);
@@ -246,23 +253,27 @@ HW_CPU_INLINE void backward_chunk(const Call& c, int64_t chunk) {
         cn += dl[n * H + h] * dot_b[n * H + h];
       }
       const A r3c = r * r * r * cn * inv_d;
-      T* ds = static_cast<T*>(c.out) + (n * c.positions + pos) * d;
+      G* ds = static_cast<G*>(c.out) + (n * c.positions + pos) * d;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t o = h * K;
         emit_source_grad<T>(x + o, dout + o, qg + o, r, wpos[n * wstride + h], dl[n * H + h], r3c,
-                            ds + o, z + o, K);
+                            c.accumulate, ds + o, z + o, K);
       }
     }
   }
 }
 
 // Non-template, multi-versioned entries: one forward and one backward per dtype.
+// backward_*: gradients in the sources' dtype; backward_into_*: into an A-typed buffer.
 #define HW_MHAR_CPU_ENTRIES(T, A, suffix)                                           \
   HW_CPU_CLONES void forward_##suffix(const Call& c, int64_t p0, int64_t p1) {      \
     forward_positions<T, A>(c, p0, p1);                                             \
   }                                                                                 \
   HW_CPU_CLONES void backward_##suffix(const Call& c, int64_t chunk) {              \
-    backward_chunk<T, A>(c, chunk);                                                 \
+    backward_chunk<T, A, T>(c, chunk);                                              \
+  }                                                                                 \
+  HW_CPU_CLONES void backward_into_##suffix(const Call& c, int64_t chunk) {         \
+    backward_chunk<T, A, A>(c, chunk);                                              \
   }
 HW_MHAR_CPU_ENTRIES(float, float, f32)
 HW_MHAR_CPU_ENTRIES(double, double, f64)
@@ -273,12 +284,17 @@ HW_MHAR_CPU_ENTRIES(c10::Half, float, f16)
 using ForwardFn = void (*)(const Call&, int64_t, int64_t);
 using BackwardFn = void (*)(const Call&, int64_t);
 
-std::pair<ForwardFn, BackwardFn> kernels_for(at::ScalarType dtype) {
+struct Kernels {
+  ForwardFn forward;
+  BackwardFn backward, backward_into;
+};
+
+Kernels kernels_for(at::ScalarType dtype) {
   switch (dtype) {
-    case at::kFloat: return {forward_f32, backward_f32};
-    case at::kDouble: return {forward_f64, backward_f64};
-    case at::kBFloat16: return {forward_bf16, backward_bf16};
-    case at::kHalf: return {forward_f16, backward_f16};
+    case at::kFloat: return {forward_f32, backward_f32, backward_into_f32};
+    case at::kDouble: return {forward_f64, backward_f64, backward_into_f64};
+    case at::kBFloat16: return {forward_bf16, backward_bf16, backward_into_bf16};
+    case at::kHalf: return {forward_f16, backward_f16, backward_into_f16};
     default: TORCH_CHECK_TYPE(false, "headwise.mhar_route: unsupported sources dtype ", dtype);
   }
 }
@@ -330,11 +346,45 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& sources, const at
   c.rt = residual.has_value() ? residual->stride(1) : 0;
   c.out = out.data_ptr();
   c.weights = weights.data_ptr();
-  const ForwardFn forward = kernels_for(sources.scalar_type()).first;
+  const ForwardFn forward = kernels_for(sources.scalar_type()).forward;
   const int64_t grain = std::max<int64_t>(1, 32768 / (s.d * s.num_sources));
   at::parallel_for(0, s.positions(), grain, [&](int64_t p0, int64_t p1) { forward(c, p0, p1); });
   return {out, weights};
 }
+
+namespace {
+
+// Runs the backward chunks into grad_sources (contiguous [N_max, B, T, d]) with `backward`
+// and returns (grad_query, grad_norm_weight).
+std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out, const at::Tensor& sources,
+                                                 const at::Tensor& query, const at::Tensor& norm_weight,
+                                                 const at::Tensor& weights, const Shape& s, double eps,
+                                                 at::Tensor& grad_sources, bool accumulate, BackwardFn backward) {
+  const at::ScalarType acc = weights_dtype(sources);
+  const at::Tensor dout = grad_out.contiguous();
+  const at::Tensor w = weights.contiguous();
+  const at::Tensor q = query.to(acc).contiguous();
+  const at::Tensor g = norm_weight.to(acc).contiguous();
+  const int64_t chunks = (s.positions() + kChunk - 1) / kChunk;
+  at::Tensor partial = new_output({chunks, s.d}, sources.options().dtype(acc));
+
+  Call c = make_call(sources, q, g, s, eps);
+  c.grad_out = dout.data_ptr();
+  c.out = grad_sources.data_ptr();
+  c.accumulate = accumulate;
+  c.weights = w.data_ptr();
+  c.partial = partial.data_ptr();
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t chunk = c0; chunk < c1; ++chunk) backward(c, chunk);
+  });
+  // Second stage: z = sum of the chunk partials in chunk order (an order that does not
+  // depend on the thread count); dq = g z, dg = q z.
+  at::Tensor z = at::zeros({s.d}, partial.options());
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) z.add_(partial[chunk]);
+  return {(z * g).to(query.scalar_type()), (z * q).to(norm_weight.scalar_type())};
+}
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> route_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,
@@ -344,31 +394,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_backward_cpu(
   const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
   check_cpu(sources, "mhar_route_backward");
   check_backward_args(grad_out, sources, weights, s);
-  const at::ScalarType acc = weights_dtype(sources);
-  const at::Tensor dout = grad_out.contiguous();
-  const at::Tensor w = weights.contiguous();
-  const at::Tensor q = query.to(acc).contiguous();
-  const at::Tensor g = norm_weight.to(acc).contiguous();
   at::Tensor grad_sources = new_output(sources.sizes(), sources.options());
   if (s.num_sources < s.max_sources)
     grad_sources.narrow(0, s.num_sources, s.max_sources - s.num_sources).zero_();
-  const int64_t chunks = (s.positions() + kChunk - 1) / kChunk;
-  at::Tensor partial = new_output({chunks, s.d}, sources.options().dtype(acc));
+  auto [grad_query, grad_norm] = backward_into(grad_out, sources, query, norm_weight, weights, s, eps,
+                                               grad_sources, false, kernels_for(sources.scalar_type()).backward);
+  return {grad_sources, grad_query, grad_norm};
+}
 
-  Call c = make_call(sources, q, g, s, eps);
-  c.grad_out = dout.data_ptr();
-  c.out = grad_sources.data_ptr();
-  c.weights = w.data_ptr();
-  c.partial = partial.data_ptr();
-  const BackwardFn backward = kernels_for(sources.scalar_type()).second;
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t chunk = c0; chunk < c1; ++chunk) backward(c, chunk);
-  });
-  // Second stage: z = sum of the chunk partials in chunk order (an order that does not
-  // depend on the thread count); dq = g z, dg = q z.
-  at::Tensor z = at::zeros({s.d}, partial.options());
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) z.add_(partial[chunk]);
-  return {grad_sources, (z * g).to(query.scalar_type()), (z * q).to(norm_weight.scalar_type())};
+std::tuple<at::Tensor, at::Tensor> route_backward_into_cpu(
+    const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,
+    const at::Tensor& norm_weight, const at::Tensor& weights, at::Tensor& grad_sources,
+    int64_t num_heads, int64_t num_sources, double eps, bool accumulate) {
+  HW_OP_RANGE("headwise::mhar_route_backward_into");
+  const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
+  check_cpu(sources, "mhar_route_backward_into");
+  check_backward_args(grad_out, sources, weights, s);
+  check_grad_buffer(grad_sources, sources, weights_dtype(sources));
+  return backward_into(grad_out, sources, query, norm_weight, weights, s, eps, grad_sources, accumulate,
+                       kernels_for(sources.scalar_type()).backward_into);
 }
 
 }  // namespace mhar

@@ -61,6 +61,7 @@ struct BwdParams {
   const void* grad_out;      // [B, T, d] contiguous
   const float* weights;      // [N, B, T, H] contiguous
   void* grad_sources;        // [N_max, B, T, d] contiguous; rows < N written here
+  bool accumulate;           // add to grad_sources instead of storing
   float* z_partial;          // [gridDim.x, d]: per-block sums of dl[n,h(j)] u_n[j]
 };
 
@@ -255,7 +256,9 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_fwd_kernel(c
 // partial z (the query / norm-weight gradients up to a factor g or q) in row j of
 // z_partial, so that the final sum over blocks (mhar_param_grad_reduce_kernel) has a
 // fixed order.
-template <typename T, int VEC, int ITEMS, HeadReduce MODE>
+// G: the dtype of grad_sources (T, or fp32 for the shared accumulation buffer of
+// DepthBuffer); with p.accumulate the kernel adds to what grad_sources holds.
+template <typename T, typename G, int VEC, int ITEMS, HeadReduce MODE>
 __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(const BwdParams p) {
   const int tid = threadIdx.x;
   const int nthreads = blockDim.x;
@@ -356,7 +359,7 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
       const float c = block_sum(c_part);
       const float r3c = r * r * r * c * inv_d;
 
-      T* ds = static_cast<T*>(p.grad_sources) + (n * p.route.positions + pos) * p.route.d;
+      G* ds = static_cast<G*>(p.grad_sources) + (n * p.route.positions + pos) * p.route.d;
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
         const int v = tid + i * nthreads;
@@ -366,6 +369,12 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
         for (int k = 0; k < VEC; ++k) {
           const float du = dl[i] * q[i][k] * g[i][k];
           y[k] = wn[i] * dout[i][k] + r * du - r3c * x[i][k];
+        }
+        if (p.accumulate) {
+          float prev[VEC];
+          hw::load_as_float<VEC>(ds + v * VEC, prev);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) y[k] += prev[k];
         }
         hw::store_from_float<VEC>(ds + v * VEC, y);
       }

@@ -181,27 +181,25 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
   return {out, weights};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward)(
-    const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,
-    const at::Tensor& norm_weight, const at::Tensor& weights, int64_t num_heads,
-    int64_t num_sources, double eps) {
-  HW_OP_RANGE("headwise::mhar_route_backward");
-  const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
-  check_backend(sources, s, "mhar_route_backward");
-  check_backward_args(grad_out, sources, weights, s);
-  const at::OptionalDeviceGuard device_guard(sources.device());
+namespace {
 
+// The backward into grad_sources, a contiguous [N_max, B, T, d] tensor of dtype G (the
+// sources' dtype, or fp32 for a DepthBuffer's shared accumulator): rows [0, N) are stored,
+// or added to with `accumulate`. Returns (grad_query, grad_norm_weight).
+template <bool kIntoFloat>
+std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out, const at::Tensor& sources,
+                                                 const at::Tensor& query, const at::Tensor& norm_weight,
+                                                 const at::Tensor& weights, const Shape& s, double eps,
+                                                 at::Tensor& grad_sources, bool accumulate) {
   const at::Tensor dout = grad_out.contiguous();
   const at::Tensor w = weights.contiguous();
   const at::Tensor q = query.to(at::kFloat).contiguous();
   const at::Tensor g = norm_weight.to(at::kFloat).contiguous();
-  at::Tensor grad_sources = new_output(sources.sizes(), sources.options());
-  if (s.num_sources < s.max_sources) grad_sources.narrow(0, s.num_sources, s.max_sources - s.num_sources).zero_();
   at::Tensor grad_query = at::zeros({s.d}, sources.options().dtype(at::kFloat));
   at::Tensor grad_norm = at::zeros({s.d}, sources.options().dtype(at::kFloat));
   if (s.positions() > 0) {
     const bool vec8 = s.head_dim % 8 == 0 && aligned_for_vec8(sources) && aligned_for_vec8(q) &&
-                      aligned_for_vec8(g) && aligned_for_vec8(dout);
+                      aligned_for_vec8(g) && aligned_for_vec8(dout) && aligned_for_vec8(grad_sources);
     const Plan plan = make_plan(s, vec8);
     const int64_t blocks = std::min(s.positions(), kBwdBlocks);
     at::Tensor z_partial = new_output({blocks, s.d}, sources.options().dtype(at::kFloat));
@@ -211,13 +209,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward)(
     p.grad_out = dout.data_ptr();
     p.weights = w.data_ptr<float>();
     p.grad_sources = grad_sources.data_ptr();
+    p.accumulate = accumulate;
     p.z_partial = z_partial.data_ptr<float>();
 
     dispatch_storage_dtype(sources.scalar_type(), "mhar_route_backward", "sources", [&](auto tag) {
       using T = decltype(tag);
+      using G = std::conditional_t<kIntoFloat, float, T>;
       dispatch_plan<T>(plan, [&](auto cfg) {
         using C = decltype(cfg);
-        auto kernel = &mhar_route_bwd_kernel<T, C::vec, C::items, C::mode>;
+        auto kernel = &mhar_route_bwd_kernel<T, G, C::vec, C::items, C::mode>;
         hw::allow_dynamic_smem(kernel, max_smem_bytes(C::mode, C::vec));
         HW_LAUNCH("mhar_route_bwd", kernel, dim3(static_cast<unsigned>(blocks)),
                   dim3(plan.threads), plan.smem_bytes, p);
@@ -229,7 +229,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward)(
               z_partial.data_ptr<float>(), blocks, s.d, q.data_ptr<float>(), g.data_ptr<float>(),
               grad_query.data_ptr<float>(), grad_norm.data_ptr<float>());
   }
-  return {grad_sources, grad_query.to(query.scalar_type()), grad_norm.to(norm_weight.scalar_type())};
+  return {grad_query.to(query.scalar_type()), grad_norm.to(norm_weight.scalar_type())};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward)(
+    const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,
+    const at::Tensor& norm_weight, const at::Tensor& weights, int64_t num_heads,
+    int64_t num_sources, double eps) {
+  HW_OP_RANGE("headwise::mhar_route_backward");
+  const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
+  check_backend(sources, s, "mhar_route_backward");
+  check_backward_args(grad_out, sources, weights, s);
+  const at::OptionalDeviceGuard device_guard(sources.device());
+  at::Tensor grad_sources = new_output(sources.sizes(), sources.options());
+  if (s.num_sources < s.max_sources) grad_sources.narrow(0, s.num_sources, s.max_sources - s.num_sources).zero_();
+  auto [grad_query, grad_norm] =
+      backward_into<false>(grad_out, sources, query, norm_weight, weights, s, eps, grad_sources, false);
+  return {grad_sources, grad_query, grad_norm};
+}
+
+std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward_into)(
+    const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,
+    const at::Tensor& norm_weight, const at::Tensor& weights, at::Tensor& grad_sources,
+    int64_t num_heads, int64_t num_sources, double eps, bool accumulate) {
+  HW_OP_RANGE("headwise::mhar_route_backward_into");
+  const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
+  check_backend(sources, s, "mhar_route_backward_into");
+  check_backward_args(grad_out, sources, weights, s);
+  check_grad_buffer(grad_sources, sources, at::kFloat);
+  const at::OptionalDeviceGuard device_guard(sources.device());
+  return backward_into<true>(grad_out, sources, query, norm_weight, weights, s, eps, grad_sources, accumulate);
 }
 
 }  // namespace mhar

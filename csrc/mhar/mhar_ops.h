@@ -4,6 +4,10 @@
 //       -> (out [B, T, d] in the sources' dtype, weights [N, B, T, H])
 //   mhar_route_backward(grad_out, sources, query, norm_weight, weights, num_heads,
 //       num_sources, eps) -> (grad_sources [N_max, B, T, d], grad_query, grad_norm_weight)
+//   mhar_route_backward_into(grad_out, sources, query, norm_weight, weights, grad_sources!,
+//       num_heads, num_sources, eps, accumulate) -> (grad_query, grad_norm_weight)
+//       stores (or with accumulate adds) the source gradients into rows [0, N) of the
+//       fp32 buffer grad_sources (fp64 for fp64 sources on the CPU): DepthBuffer's backward
 // weights are float32 (float64 for float64 sources on the CPU backend).
 #pragma once
 
@@ -23,7 +27,11 @@ namespace mhar {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> route_backward_##suffix(                    \
       const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,        \
       const at::Tensor& norm_weight, const at::Tensor& weights, int64_t num_heads,           \
-      int64_t num_sources, double eps);
+      int64_t num_sources, double eps);                                                      \
+  std::tuple<at::Tensor, at::Tensor> route_backward_into_##suffix(                           \
+      const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,        \
+      const at::Tensor& norm_weight, const at::Tensor& weights, at::Tensor& grad_sources,    \
+      int64_t num_heads, int64_t num_sources, double eps, bool accumulate);
 
 HW_MHAR_DECLARE(cpu)
 HW_MHAR_DECLARE(cuda)

@@ -39,6 +39,10 @@ def _register(ns: str) -> None:
             norm_weight.new_empty(norm_weight.shape),
         )
 
+    @torch.library.register_fake(f"{ns}::mhar_route_backward_into")
+    def _(grad_out, sources, query, norm_weight, weights, grad_sources, num_heads, num_sources, eps, accumulate):
+        return query.new_empty(query.shape), norm_weight.new_empty(norm_weight.shape)
+
     def setup_context(ctx, inputs, output):
         sources, query, norm_weight, num_heads, num_sources, eps, residual = inputs
         _, weights = output
