@@ -8,9 +8,9 @@ on CPU tensors). The functions below are typed, differentiable wrappers.
 import torch  # noqa: F401  (the op libraries link against libtorch)
 
 from . import _C, _sim  # noqa: F401  (load torch.ops.headwise and torch.ops.headwise_sim)
-from . import nn, reference, testing
+from . import models, nn, reference, testing
 from .depth_buffer import DepthBuffer
 from .ops import mhar_route
 
-__all__ = ["DepthBuffer", "mhar_route", "nn", "reference", "testing"]
+__all__ = ["DepthBuffer", "mhar_route", "models", "nn", "reference", "testing"]
 __version__ = "0.1.0"

@@ -1,0 +1,215 @@
+"""A Qwen3-style decoder with a choice of residual stream (SPEC section 4).
+
+Pre-norm RMSNorm blocks, grouped-query attention with per-head q/k RMSNorm and rotary
+embeddings (rotate-half, theta 1e4), SwiGLU MLPs. The residual stream is one of:
+  "residual"  h_{s+1} = h_s + f_s(norm(h_s))                       (the standard stream)
+  "attnres"   x_s = route_s(h_0..h_s) with one routing head (Attention Residuals)
+  "mhar"      x_s = route_s(h_0..h_s) with `routing_heads` heads  (Multi-Head AttnRes)
+where for the routed streams h_{s+1} = x_s + f_s(norm(x_s)) over the 2L sublayers
+(attention, MLP, attention, ...), and a final routing x_{2L} = route(h_0..h_{2L}) comes
+before the last norm. Routers start with zero queries: a uniform average of the states.
+`routing_impl="buffer"` keeps the states in a headwise.DepthBuffer (in place, fused
+accumulating backward); `"per_call"` stacks them for every call. `reference_forward`
+computes the same function with headwise.reference as the router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import reference
+from ..depth_buffer import DepthBuffer
+from ..nn import MHARRouter
+from ..ops import Ops
+
+RESIDUALS = ("residual", "attnres", "mhar")
+ROUTING_IMPLS = ("buffer", "per_call")
+ATTENTIONS = ("mha",)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: Optional[int] = None
+    residual: str = "mhar"
+    routing_heads: Optional[int] = None  # "mhar": default n_heads; "attnres" is always 1
+    routing_impl: str = "buffer"
+    attention: str = "mha"
+    num_blocks: Optional[int] = None
+    rope_theta: float = 1e4
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        kv = self.n_kv_heads or self.n_heads
+        checks = [
+            (self.residual in RESIDUALS, f"residual must be one of {RESIDUALS}, got {self.residual!r}"),
+            (self.routing_impl in ROUTING_IMPLS, f"routing_impl must be one of {ROUTING_IMPLS}, got {self.routing_impl!r}"),
+            (self.attention in ATTENTIONS, f"attention must be one of {ATTENTIONS}, got {self.attention!r}"),
+            (self.num_blocks is None, "num_blocks applies to the block/delta residual modes, which this build lacks"),
+            (self.d_model % self.n_heads == 0, f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})"),
+            (self.n_heads % kv == 0, f"n_kv_heads ({kv}) must divide n_heads ({self.n_heads})"),
+            ((self.d_model // self.n_heads) % 2 == 0, "the head dim must be even for rotary embeddings"),
+            (self.d_model % self.routing_heads_resolved == 0,
+             f"routing_heads ({self.routing_heads_resolved}) must divide d_model ({self.d_model})"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"DecoderConfig: {message}")
+
+    @property
+    def routing_heads_resolved(self) -> int:
+        if self.residual == "attnres":
+            return 1
+        return self.routing_heads or self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [B, H, T, D] with cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        if self.n_kv != self.n_heads:
+            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        hidden = 8 * ((8 * d // 3 + 7) // 8)
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Decoder(nn.Module):
+    """`Decoder(cfg)(tokens [B, T]) -> logits [B, T, vocab]`; see the module docstring."""
+
+    def __init__(self, cfg: DecoderConfig, *, ops: Optional[Ops] = None):
+        super().__init__()
+        self.cfg = cfg
+        self._ops = ops or Ops("headwise")
+        d = cfg.d_model
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        # Sublayer s: attention for even s, MLP for odd s, each with its pre-norm.
+        self.sublayers = nn.ModuleList()
+        self.norms = nn.ModuleList()
+        for _ in range(cfg.n_layers):
+            self.sublayers.append(Attention(cfg))
+            self.norms.append(RMSNorm(d, cfg.norm_eps))
+            self.sublayers.append(SwiGLU(d))
+            self.norms.append(RMSNorm(d, cfg.norm_eps))
+        self.final_norm = RMSNorm(d, cfg.norm_eps)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.routers = nn.ModuleList()
+        if cfg.residual != "residual":
+            self.routers.extend(MHARRouter(d, cfg.routing_heads_resolved, eps=cfg.norm_eps, ops=self._ops)
+                                for _ in range(2 * cfg.n_layers + 1))
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def _rope(self, t: int, device, dtype):
+        half = self.cfg.d_model // self.cfg.n_heads // 2
+        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
+        angles = torch.outer(torch.arange(t, device=device, dtype=torch.float32), inv)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _sublayer(self, s: int, x, cos, sin):
+        if s % 2 == 0:
+            return self.sublayers[s](self.norms[s](x), cos, sin)
+        return self.sublayers[s](self.norms[s](x))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._run(tokens, use_reference=False)
+
+    def reference_forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The same model with headwise.reference as the router (the whole-model oracle)."""
+        return self._run(tokens, use_reference=True)
+
+    def _run(self, tokens, use_reference: bool):
+        cfg = self.cfg
+        h = self.embed(tokens)
+        cos, sin = self._rope(tokens.shape[1], h.device, h.dtype)
+        steps = 2 * cfg.n_layers
+        if cfg.residual == "residual":
+            for s in range(steps):
+                h = h + self._sublayer(s, h, cos, sin)
+            return self.lm_head(self.final_norm(h))
+        heads = cfg.routing_heads_resolved
+        buf = None
+        if cfg.routing_impl == "buffer" and not use_reference:
+            buf = DepthBuffer(steps + 1, *h.shape, dtype=h.dtype, device=h.device, ops=self._ops)
+        states = []
+        for s in range(steps + 1):
+            router = self.routers[s]
+            if buf is not None:
+                buf.write(s, h)
+                x = buf.route(s, h, router.query, router.norm_weight, num_heads=heads, eps=router.eps)
+            else:
+                states.append(h)
+                stacked = torch.stack(states)
+                if use_reference:
+                    x = reference.mhar_route(stacked, router.query, router.norm_weight, num_heads=heads,
+                                             eps=router.eps)
+                else:
+                    x = router(stacked)
+            if s < steps:
+                h = x + self._sublayer(s, x, cos, sin)
+        return self.lm_head(self.final_norm(x))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def extra_repr(self) -> str:
+        return f"{self.cfg}"
+
