@@ -92,3 +92,14 @@ def test_a_few_steps_reduce_the_loss():
 def test_bad_config(bad, match):
     with pytest.raises(ValueError, match=match):
         tiny(**bad)
+
+
+def test_per_call_model_compiles_fullgraph():
+    torch.manual_seed(0)
+    model = Decoder(tiny("mhar", "per_call", n_layers=2))
+    randomize_routers(model)
+    tokens = torch.randint(0, 61, (2, 9))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(tokens)
+    out.square().mean().backward()
+    torch.testing.assert_close(out, model(tokens), rtol=0, atol=0)
