@@ -103,3 +103,16 @@ def test_per_call_model_compiles_fullgraph():
     out = compiled(tokens)
     out.square().mean().backward()
     torch.testing.assert_close(out, model(tokens), rtol=0, atol=0)
+
+
+def test_per_call_model_under_activation_checkpointing(host_backend):
+    torch.manual_seed(0)
+    model = Decoder(tiny("mhar", "per_call", n_layers=2), ops=host_backend)
+    randomize_routers(model)
+    tokens = torch.randint(0, 61, (2, 9))
+    _, plain = loss_and_grads(model, tokens)
+    model.zero_grad(set_to_none=True)
+    logits = torch.utils.checkpoint.checkpoint(model, tokens, use_reentrant=False)
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 61), tokens[:, 1:].reshape(-1)).backward()
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, plain[name]) <= TOL, name
