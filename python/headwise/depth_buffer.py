@@ -17,16 +17,14 @@ from typing import Optional
 
 import torch
 
-from .ops import Ops
-
-_DEFAULT_OPS = Ops("headwise")
+from .ops import DEFAULT_OPS, Ops, weights_dtype
 
 
 class DepthBuffer:
     """Residual states ``[rows, B, T, d]`` of one forward, routed in place.
 
     Usage per forward: ``buf = DepthBuffer(rows, B, T, d, ...)``; for each state in order,
-    ``buf.write(i, state)``; ``buf.route(i, query, norm_weight, num_heads=H)`` then mixes
+    ``buf.write(i, state)``; ``buf.route(i, state, query, norm_weight, num_heads=H)`` mixes
     rows ``[0, i]`` and is differentiable w.r.t. the state written at row ``i``, the
     query and the norm weight. Every row must be routed exactly once, by the call that
     owns it, and the calls must be made in increasing row order.
@@ -37,7 +35,7 @@ class DepthBuffer:
         if rows < 1:
             raise ValueError(f"DepthBuffer: rows must be at least 1, got {rows}")
         self.states = torch.empty(rows, batch, seq, d, dtype=dtype, device=device)
-        self._ops = ops or _DEFAULT_OPS
+        self._ops = ops or DEFAULT_OPS
         self._lib = self._ops._lib
         self._written = [False] * rows
         self._routed: list[int] = []
@@ -74,8 +72,8 @@ class DepthBuffer:
             if row != self._routed[-1]:
                 raise RuntimeError(f"DepthBuffer: the first backward must be the last routing call "
                                    f"(row {self._routed[-1]}), got row {row}")
-            acc = torch.float64 if self.states.dtype == torch.float64 else torch.float32
-            self._grad = torch.empty(self.states.shape, dtype=acc, device=self.states.device)
+            self._grad = torch.empty(self.states.shape, dtype=weights_dtype(self.states),
+                                     device=self.states.device)
         elif row != self._expected_backward:
             raise RuntimeError(f"DepthBuffer: routing backwards must run in reverse forward order; "
                                f"expected row {self._expected_backward}, got row {row}")

@@ -15,7 +15,8 @@ import torch
 LIBRARIES = ("headwise", "headwise_sim")
 
 
-def _weights_dtype(sources: torch.Tensor) -> torch.dtype:
+def weights_dtype(sources: torch.Tensor) -> torch.dtype:
+    """dtype of the routing weights (and of a DepthBuffer's gradient accumulator)."""
     return torch.float64 if sources.dtype == torch.float64 else torch.float32
 
 
@@ -28,7 +29,7 @@ def _register(ns: str) -> None:
         _, b, t, d = sources.shape
         torch._check(d % num_heads == 0, lambda: f"num_heads ({num_heads}) must divide d ({d})")
         out = sources.new_empty((b, t, d))
-        weights = sources.new_empty((num_sources, b, t, num_heads), dtype=_weights_dtype(sources))
+        weights = sources.new_empty((num_sources, b, t, num_heads), dtype=weights_dtype(sources))
         return out, weights
 
     @torch.library.register_fake(route_backward)
@@ -104,5 +105,5 @@ class Ops:
 for _ns in LIBRARIES:
     _register(_ns)
 
-_default = Ops("headwise")
-mhar_route = _default.mhar_route
+DEFAULT_OPS = Ops("headwise")  # what modules use when no backend is given
+mhar_route = DEFAULT_OPS.mhar_route

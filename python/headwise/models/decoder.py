@@ -25,7 +25,7 @@ from torch import nn
 from .. import reference
 from ..depth_buffer import DepthBuffer
 from ..nn import MHARRouter
-from ..ops import Ops
+from ..ops import DEFAULT_OPS, Ops
 
 RESIDUALS = ("residual", "attnres", "mhar")
 ROUTING_IMPLS = ("buffer", "per_call")
@@ -133,7 +133,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: DecoderConfig, *, ops: Optional[Ops] = None):
         super().__init__()
         self.cfg = cfg
-        self._ops = ops or Ops("headwise")
+        self._ops = ops or DEFAULT_OPS
         d = cfg.d_model
         self.embed = nn.Embedding(cfg.vocab_size, d)
         # Sublayer s: attention for even s, MLP for odd s, each with its pre-norm.

@@ -7,9 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..ops import Ops
-
-_DEFAULT_OPS = Ops("headwise")
+from ..ops import DEFAULT_OPS, Ops
 
 
 class MHARRouter(nn.Module):
@@ -32,7 +30,7 @@ class MHARRouter(nn.Module):
         self.d, self.num_heads, self.eps = d, num_heads, eps
         self.query = nn.Parameter(torch.zeros(d, **factory))
         self.norm_weight = nn.Parameter(torch.ones(d, **factory))
-        self._ops = ops or _DEFAULT_OPS
+        self._ops = ops or DEFAULT_OPS
 
     def forward(self, sources: torch.Tensor, *, num_sources: Optional[int] = None,
                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
