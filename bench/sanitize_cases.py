@@ -18,6 +18,11 @@ def main():
             norm_weight = torch.ones(d, device="cuda", requires_grad=True)
             out = headwise.mhar_route(sources, query, norm_weight, num_heads=h)
             out.float().sum().backward()
+            # Delta mode: residual added in the kernel, gated mix, gate gradient.
+            residual = torch.randn(b, t, d, device="cuda", dtype=dtype)
+            gate = torch.tensor(0.5, device="cuda", requires_grad=True)
+            out = headwise.mhar_route(sources, query, norm_weight, num_heads=h, residual=residual, gate=gate)
+            out.float().sum().backward()
     torch.cuda.synchronize()
     print("sanitize_cases: ok")
 

@@ -11,11 +11,12 @@ inline void define_schemas(torch::Library& m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
   m.def(
       "mhar_route(Tensor sources, Tensor query, Tensor norm_weight, int num_heads, "
-      "int num_sources, float eps, Tensor? residual) -> (Tensor, Tensor)",
+      "int num_sources, float eps, Tensor? residual, Tensor? gate) -> (Tensor, Tensor)",
       tags);
   m.def(
       "mhar_route_backward(Tensor grad_out, Tensor sources, Tensor query, Tensor norm_weight, "
-      "Tensor weights, int num_heads, int num_sources, float eps) -> (Tensor, Tensor, Tensor)",
+      "Tensor weights, Tensor? gate, int num_heads, int num_sources, float eps) "
+      "-> (Tensor, Tensor, Tensor, Tensor)",
       tags);
   m.def(
       "mhar_route_backward_into(Tensor grad_out, Tensor sources, Tensor query, Tensor norm_weight, "

@@ -69,6 +69,16 @@ inline void check_residual(const at::Tensor& residual, const at::Tensor& sources
   check_last_dim_contiguous(op, residual, "residual");
 }
 
+// The delta-mode gate: one element, float32 or the sources' dtype, on the sources' device.
+inline void check_gate(const char* op, const at::Tensor& gate, const at::Tensor& sources) {
+  TORCH_CHECK_VALUE(gate.numel() == 1, "headwise.", op, ": gate must have exactly one element, got shape ",
+                    shape_str(gate));
+  TORCH_CHECK_TYPE(gate.scalar_type() == at::kFloat || gate.scalar_type() == sources.scalar_type(),
+                   "headwise.", op, ": gate must be float32 or the dtype of sources (", sources.scalar_type(),
+                   "), got ", gate.scalar_type());
+  check_same_device(op, gate, "gate", sources, "sources");
+}
+
 inline void check_backward_args(const at::Tensor& grad_out, const at::Tensor& sources,
                                 const at::Tensor& weights, const Shape& s) {
   constexpr const char* op = "mhar_route_backward";

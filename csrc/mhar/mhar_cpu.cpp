@@ -4,10 +4,11 @@
 // and baseline x86-64 with runtime selection (target_clones).
 //
 // Forward, per position: one pass over the N rows with the running-max softmax.
-// Backward, per position: pass 1 forms r_n, a[n,h] = <dout_h, s_n[h]> and S_h; pass 2
-// re-reads each row (from cache) and emits ds_n and z += dl u_n (dq = g z, dg = q z).
-// z is summed per fixed chunk of kChunk positions and then over chunks in order, so the
-// result does not depend on the number of threads.
+// Backward, per position: pass 1 forms r_n, a[n,h] = <dout_h, s_n[h]> and S_h (and the
+// gate's gradient sum_h S_h); pass 2 re-reads each row (from cache) and emits ds_n and
+// z += dl u_n (dq = g z, dg = q z), with dout scaled by the gate. z and the gate sum are
+// summed per fixed chunk of kChunk positions and then over chunks in order, so the result
+// does not depend on the number of threads.
 #include "../common/cpu_convert.h"
 #include "../common/cpu_simd.h"
 #include "../common/op_range.h"
@@ -59,10 +60,12 @@ struct Call {
   const void* residual;
   int64_t rb, rt;
   const void* grad_out;
+  double gate;     // out = residual + gate * mix (1 without a gate)
   void* out;       // forward: out [B, T, d]; backward: grad_sources [N_max, B, T, d]
   bool accumulate;  // backward: add to grad_sources instead of storing
   void* weights;   // [N, B, T, H] in A
   void* partial;   // backward: z partials [chunks, d] in A
+  void* gate_partial;  // backward: sum_h S_h partials [chunks] in A
   int64_t seq, positions, d, heads, head_dim, num_sources;
   double eps;
 };
@@ -116,6 +119,7 @@ HW_CPU_INLINE void forward_positions(const Call& c, int64_t p0, int64_t p1) {
   const A* q = static_cast<const A*>(c.query);
   const A* g = static_cast<const A*>(c.norm_weight);
   const A inv_d = A(1) / static_cast<A>(d);
+  const A gate = static_cast<A>(c.gate);
   A* w = static_cast<A*>(c.weights);
   std::vector<A> buf(3 * d + 3 * H);
   A* xbuf = buf.data();
@@ -183,7 +187,7 @@ HW_CPU_INLINE void forward_positions(const Call& c, int64_t p0, int64_t p1) {
     const T* res = c.residual == nullptr ? nullptr : static_cast<const T*>(c.residual) + b * c.rb + t * c.rt;
     for (int64_t h = 0; h < H; ++h) {
       const A inv = A(1) / den[h];
-      normalize_store(acc + h * K, inv, res == nullptr ? nullptr : res + h * K, out + h * K, K);
+      normalize_store(acc + h * K, inv * gate, res == nullptr ? nullptr : res + h * K, out + h * K, K);
       for (int64_t n = 0; n < N; ++n) {
         A& wv = w[(n * c.positions + pos) * H + h];
         wv = std::exp(wv - mx[h]) * inv;
@@ -202,6 +206,8 @@ HW_CPU_INLINE void backward_chunk(const Call& c, int64_t chunk) {
   const A* w = static_cast<const A*>(c.weights);
   A* z = static_cast<A*>(c.partial) + chunk * d;
   std::fill(z, z + d, A(0));
+  const A gate = static_cast<A>(c.gate);
+  A gate_sum = 0;  // sum over the chunk's positions and heads of S_h (unscaled dout)
   std::vector<A> buf(3 * d + 3 * N * H + N + H);
   A* xbuf = buf.data();
   A* doutbuf = xbuf + d;
@@ -244,23 +250,25 @@ HW_CPU_INLINE void backward_chunk(const Call& c, int64_t chunk) {
       }
       rn[n] = A(1) / std::sqrt(sumsq * inv_d + static_cast<A>(c.eps));
     }
+    for (int64_t h = 0; h < H; ++h) gate_sum += coupling[h];
     for (int64_t n = 0; n < N; ++n) {  // pass 2: emit ds_n, accumulate z
       const A* x = as_acc(src + n * c.sn, xbuf, d);
       const A r = rn[n];
       A cn = 0;  // c_n = <du_n, s_n> = sum_h dl[n,h] b[n,h]
       for (int64_t h = 0; h < H; ++h) {
-        dl[n * H + h] = wpos[n * wstride + h] * (dot_a[n * H + h] - coupling[h]);
+        dl[n * H + h] = wpos[n * wstride + h] * (dot_a[n * H + h] - coupling[h]) * gate;
         cn += dl[n * H + h] * dot_b[n * H + h];
       }
       const A r3c = r * r * r * cn * inv_d;
       G* ds = static_cast<G*>(c.out) + (n * c.positions + pos) * d;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t o = h * K;
-        emit_source_grad<T>(x + o, dout + o, qg + o, r, wpos[n * wstride + h], dl[n * H + h], r3c,
+        emit_source_grad<T>(x + o, dout + o, qg + o, r, wpos[n * wstride + h] * gate, dl[n * H + h], r3c,
                             c.accumulate, ds + o, z + o, K);
       }
     }
   }
+  static_cast<A*>(c.gate_partial)[chunk] = gate_sum;
 }
 
 // Non-template, multi-versioned entries: one forward and one backward per dtype.
@@ -319,6 +327,11 @@ Call make_call(const at::Tensor& sources, const at::Tensor& q, const at::Tensor&
   return c;
 }
 
+// The gate's value (1 without a gate), as the kernels' double parameter.
+double gate_value(const c10::optional<at::Tensor>& gate) {
+  return gate.has_value() ? gate->to(at::kDouble).item<double>() : 1.0;
+}
+
 void check_cpu(const at::Tensor& sources, const char* op) {
   TORCH_CHECK(sources.device().is_cpu(), "headwise.", op, ": sources is on ", sources.device(),
               " but the CPU backend takes CPU tensors");
@@ -329,11 +342,13 @@ void check_cpu(const at::Tensor& sources, const char* op) {
 std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& sources, const at::Tensor& query,
                                              const at::Tensor& norm_weight, int64_t num_heads,
                                              int64_t num_sources, double eps,
-                                             const c10::optional<at::Tensor>& residual) {
+                                             const c10::optional<at::Tensor>& residual,
+                                             const c10::optional<at::Tensor>& gate) {
   HW_OP_RANGE("headwise::mhar_route");
   const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
   check_cpu(sources, "mhar_route");
   if (residual.has_value()) check_residual(*residual, sources, s);
+  if (gate.has_value()) check_gate("mhar_route", *gate, sources);
   const at::ScalarType acc = weights_dtype(sources);
   const at::Tensor q = query.to(acc).contiguous();
   const at::Tensor g = norm_weight.to(acc).contiguous();
@@ -344,6 +359,7 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& sources, const at
   c.residual = residual.has_value() ? residual->data_ptr() : nullptr;
   c.rb = residual.has_value() ? residual->stride(0) : 0;
   c.rt = residual.has_value() ? residual->stride(1) : 0;
+  c.gate = gate_value(gate);
   c.out = out.data_ptr();
   c.weights = weights.data_ptr();
   const ForwardFn forward = kernels_for(sources.scalar_type()).forward;
@@ -355,11 +371,12 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& sources, const at
 namespace {
 
 // Runs the backward chunks into grad_sources (contiguous [N_max, B, T, d]) with `backward`
-// and returns (grad_query, grad_norm_weight).
-std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out, const at::Tensor& sources,
-                                                 const at::Tensor& query, const at::Tensor& norm_weight,
-                                                 const at::Tensor& weights, const Shape& s, double eps,
-                                                 at::Tensor& grad_sources, bool accumulate, BackwardFn backward) {
+// and returns (grad_query, grad_norm_weight, grad_gate as a 0-dim tensor in the weights'
+// dtype).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
+    const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,
+    const at::Tensor& norm_weight, const at::Tensor& weights, double gate, const Shape& s, double eps,
+    at::Tensor& grad_sources, bool accumulate, BackwardFn backward) {
   const at::ScalarType acc = weights_dtype(sources);
   const at::Tensor dout = grad_out.contiguous();
   const at::Tensor w = weights.contiguous();
@@ -367,39 +384,49 @@ std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out, con
   const at::Tensor g = norm_weight.to(acc).contiguous();
   const int64_t chunks = (s.positions() + kChunk - 1) / kChunk;
   at::Tensor partial = new_output({chunks, s.d}, sources.options().dtype(acc));
+  at::Tensor gate_partial = new_output({chunks}, sources.options().dtype(acc));
 
   Call c = make_call(sources, q, g, s, eps);
   c.grad_out = dout.data_ptr();
   c.out = grad_sources.data_ptr();
   c.accumulate = accumulate;
+  c.gate = gate;
   c.weights = w.data_ptr();
   c.partial = partial.data_ptr();
+  c.gate_partial = gate_partial.data_ptr();
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t chunk = c0; chunk < c1; ++chunk) backward(c, chunk);
   });
-  // Second stage: z = sum of the chunk partials in chunk order (an order that does not
-  // depend on the thread count); dq = g z, dg = q z.
+  // Second stage: z and the gate sum over the chunk partials in chunk order (an order that
+  // does not depend on the thread count); dq = g z, dg = q z.
   at::Tensor z = at::zeros({s.d}, partial.options());
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) z.add_(partial[chunk]);
-  return {(z * g).to(query.scalar_type()), (z * q).to(norm_weight.scalar_type())};
+  at::Tensor grad_gate = at::zeros({}, partial.options());
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    z.add_(partial[chunk]);
+    grad_gate.add_(gate_partial[chunk]);
+  }
+  return {(z * g).to(query.scalar_type()), (z * q).to(norm_weight.scalar_type()), grad_gate};
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> route_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,
-    const at::Tensor& norm_weight, const at::Tensor& weights, int64_t num_heads,
-    int64_t num_sources, double eps) {
+    const at::Tensor& norm_weight, const at::Tensor& weights, const c10::optional<at::Tensor>& gate,
+    int64_t num_heads, int64_t num_sources, double eps) {
   HW_OP_RANGE("headwise::mhar_route_backward");
   const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
   check_cpu(sources, "mhar_route_backward");
   check_backward_args(grad_out, sources, weights, s);
+  if (gate.has_value()) check_gate("mhar_route_backward", *gate, sources);
   at::Tensor grad_sources = new_output(sources.sizes(), sources.options());
   if (s.num_sources < s.max_sources)
     grad_sources.narrow(0, s.num_sources, s.max_sources - s.num_sources).zero_();
-  auto [grad_query, grad_norm] = backward_into(grad_out, sources, query, norm_weight, weights, s, eps,
-                                               grad_sources, false, kernels_for(sources.scalar_type()).backward);
-  return {grad_sources, grad_query, grad_norm};
+  auto [grad_query, grad_norm, grad_gate] =
+      backward_into(grad_out, sources, query, norm_weight, weights, gate_value(gate), s, eps, grad_sources,
+                    false, kernels_for(sources.scalar_type()).backward);
+  if (gate.has_value()) grad_gate = grad_gate.to(gate->scalar_type()).reshape(gate->sizes());
+  return {grad_sources, grad_query, grad_norm, grad_gate};
 }
 
 std::tuple<at::Tensor, at::Tensor> route_backward_into_cpu(
@@ -411,8 +438,9 @@ std::tuple<at::Tensor, at::Tensor> route_backward_into_cpu(
   check_cpu(sources, "mhar_route_backward_into");
   check_backward_args(grad_out, sources, weights, s);
   check_grad_buffer(grad_sources, sources, weights_dtype(sources));
-  return backward_into(grad_out, sources, query, norm_weight, weights, s, eps, grad_sources, accumulate,
-                       kernels_for(sources.scalar_type()).backward_into);
+  const auto grads = backward_into(grad_out, sources, query, norm_weight, weights, 1.0, s, eps, grad_sources,
+                                   accumulate, kernels_for(sources.scalar_type()).backward_into);
+  return {std::get<0>(grads), std::get<1>(grads)};
 }
 
 }  // namespace mhar

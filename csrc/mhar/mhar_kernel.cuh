@@ -7,9 +7,12 @@
 //   u_n      = round_T(s_n * r_n)                   (storage-dtype rounding)
 //   l[n,h]   = sum_{j in h} u_n[j] * g[j] * q[j]
 //   w[n,h]   = softmax_n l[n,h]
-//   out[j]   = sum_n w[n,h(j)] s_n[j] (+ residual[j])
+//   mix[j]   = sum_n w[n,h(j)] s_n[j]
+//   out[j]   = gate * mix[j] (+ residual[j])           (gate = 1 when absent)
 // Backward, given dout:
 //   a[n,h]   = <dout_h, s_n[h]>,   S_h = sum_n w[n,h] a[n,h]
+//   dgate   += sum_h S_h           (= <dout, mix>, over positions)
+//   then with dout <- gate dout (so a, S_h scale by gate):
 //   dl[n,h]  = w[n,h] (a[n,h] - S_h)
 //   du_n[j]  = dl[n,h(j)] q[j] g[j],  c_n = <du_n, s_n>
 //   ds_n[j]  = w[n,h(j)] dout[j] + r_n du_n[j] - r_n^3 s_n[j] c_n / d
@@ -52,6 +55,7 @@ struct FwdParams {
   Routing route;
   const void* residual;      // [B, T, d] or nullptr
   int64_t res_stride_b, res_stride_t;
+  const float* gate;         // [1] or nullptr (gate = 1)
   void* out;                 // [B, T, d] contiguous
   float* weights;            // [N, B, T, H] contiguous
 };
@@ -62,7 +66,9 @@ struct BwdParams {
   const float* weights;      // [N, B, T, H] contiguous
   void* grad_sources;        // [N_max, B, T, d] contiguous; rows < N written here
   bool accumulate;           // add to grad_sources instead of storing
+  const float* gate;         // [1] or nullptr (gate = 1)
   float* z_partial;          // [gridDim.x, d]: per-block sums of dl[n,h(j)] u_n[j]
+  float* gate_partial;       // [gridDim.x]: per-block sums of S_h over heads and positions
 };
 
 // Loads the thread's vectors of query and norm weight (zeros for v >= nvec).
@@ -179,6 +185,7 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_fwd_kernel(c
 
   float q[ITEMS][VEC], g[ITEMS][VEC];
   load_routing_params(p.route, nvec, q, g);
+  const float gate = p.gate == nullptr ? 1.f : *p.gate;
 
   // Blocks loop over positions only when B * T exceeds the grid (2^31 - 1 blocks).
   for (int64_t pos = blockIdx.x; pos < p.route.positions; pos += gridDim.x) {
@@ -234,13 +241,14 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_fwd_kernel(c
       const int v = tid + i * nthreads;
       if (v >= nvec) continue;
       const float inv_den = 1.f / sm[i].den;
+      const float scale = gate * inv_den;
       float y[VEC];
       float rv[VEC];
 #pragma unroll
       for (int k = 0; k < VEC; ++k) rv[k] = 0.f;
       if (res != nullptr) hw::load_as_float<VEC>(res + v * VEC, rv);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) y[k] = acc[i][k] * inv_den + rv[k];
+      for (int k = 0; k < VEC; ++k) y[k] = acc[i][k] * scale + rv[k];
       hw::store_from_float<VEC>(out + v * VEC, y);
       if (v % kv == 0) {
         for (int n = 0; n < p.route.num_sources; ++n) {
@@ -273,6 +281,8 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
 
   float q[ITEMS][VEC], g[ITEMS][VEC], z[ITEMS][VEC] = {};
   load_routing_params(p.route, nvec, q, g);
+  const float gate = p.gate == nullptr ? 1.f : *p.gate;
+  float gate_sum = 0.f;  // this thread's share of sum_h S_h: the heads whose first vector it owns
 
   for (int64_t pos = blockIdx.x; pos < p.route.positions; pos += gridDim.x) {
     const int64_t b = pos / p.route.seq;
@@ -314,6 +324,15 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
         const int v = tid + i * nthreads;
         if (v < nvec) coupling[i] += wpos[n * wstride_n + v / kv] * dot[i];
       }
+    }
+    // dgate collects the unscaled S_h; the rest of the backward sees gate * dout.
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int v = tid + i * nthreads;
+      if (v < nvec && v % kv == 0) gate_sum += coupling[i];
+      coupling[i] *= gate;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) dout[i][k] *= gate;
     }
 
     // Pass 2: recompute r_n and the head dots, emit ds_n, accumulate z.
@@ -387,14 +406,23 @@ __global__ void __launch_bounds__(VEC == 8 ? 512 : 1024) mhar_route_bwd_kernel(c
     if (v >= nvec) continue;
     hw::store_from_float<VEC>(p.z_partial + blockIdx.x * p.route.d + v * VEC, z[i]);
   }
+  const float block_gate = block_sum(gate_sum);
+  if (tid == 0) p.gate_partial[blockIdx.x] = block_gate;
 }
 
-// Second stage of the query / norm-weight gradients: z[j] = sum_r z_partial[r][j] over
-// the `rows` block partials in ascending order, then dq[j] = g[j] z[j], dg[j] = q[j] z[j].
+// Second stage of the query / norm-weight / gate gradients: z[j] = sum_r z_partial[r][j]
+// over the `rows` block partials in ascending order, then dq[j] = g[j] z[j],
+// dg[j] = q[j] z[j]; thread j = d sums the gate partials the same way.
 __global__ void __launch_bounds__(256) mhar_param_grad_reduce_kernel(
-    const float* __restrict__ z_partial, int64_t rows, int64_t d, const float* __restrict__ query,
-    const float* __restrict__ norm_weight, float* __restrict__ grad_query, float* __restrict__ grad_norm) {
+    const float* __restrict__ z_partial, const float* __restrict__ gate_partial, int64_t rows, int64_t d,
+    const float* __restrict__ query, const float* __restrict__ norm_weight, float* __restrict__ grad_query,
+    float* __restrict__ grad_norm, float* __restrict__ grad_gate) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j == d) {
+    float s = 0.f;
+    for (int64_t r = 0; r < rows; ++r) s += gate_partial[r];
+    *grad_gate = s;
+  }
   if (j >= d) return;
   float z = 0.f;
   for (int64_t r = 0; r < rows; ++r) z += z_partial[r * d + j];

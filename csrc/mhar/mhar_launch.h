@@ -126,6 +126,11 @@ inline Routing make_routing(const at::Tensor& sources, const at::Tensor& q, cons
   return r;
 }
 
+// The gate as a 1-element fp32 tensor on its device (undefined when absent); no host sync.
+inline at::Tensor gate_as_float(const c10::optional<at::Tensor>& gate) {
+  return gate.has_value() ? gate->to(at::kFloat).reshape({1}).contiguous() : at::Tensor();
+}
+
 inline void check_backend(const at::Tensor& sources, const Shape& s, const char* op) {
   TORCH_CHECK(on_backend_device(sources), "headwise.", op, ": sources is on ", sources.device(),
               " but ", kBackend);
@@ -141,15 +146,18 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
                                                         const at::Tensor& norm_weight,
                                                         int64_t num_heads, int64_t num_sources,
                                                         double eps,
-                                                        const c10::optional<at::Tensor>& residual) {
+                                                        const c10::optional<at::Tensor>& residual,
+                                                        const c10::optional<at::Tensor>& gate) {
   HW_OP_RANGE("headwise::mhar_route");
   const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
   check_backend(sources, s, "mhar_route");
   if (residual.has_value()) check_residual(*residual, sources, s);
+  if (gate.has_value()) check_gate("mhar_route", *gate, sources);
   const at::OptionalDeviceGuard device_guard(sources.device());
 
   const at::Tensor q = query.to(at::kFloat).contiguous();
   const at::Tensor g = norm_weight.to(at::kFloat).contiguous();
+  const at::Tensor gate32 = gate_as_float(gate);
   at::Tensor out = new_output({s.batch, s.seq, s.d}, sources.options());
   at::Tensor weights =
       new_output({s.num_sources, s.batch, s.seq, s.heads}, sources.options().dtype(at::kFloat));
@@ -165,6 +173,7 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
   p.residual = residual.has_value() ? residual->data_ptr() : nullptr;
   p.res_stride_b = residual.has_value() ? residual->stride(0) : 0;
   p.res_stride_t = residual.has_value() ? residual->stride(1) : 0;
+  p.gate = gate32.defined() ? gate32.data_ptr<float>() : nullptr;
   p.out = out.data_ptr();
   p.weights = weights.data_ptr<float>();
 
@@ -185,24 +194,27 @@ namespace {
 
 // The backward into grad_sources, a contiguous [N_max, B, T, d] tensor of dtype G (the
 // sources' dtype, or fp32 for a DepthBuffer's shared accumulator): rows [0, N) are stored,
-// or added to with `accumulate`. Returns (grad_query, grad_norm_weight).
+// or added to with `accumulate`. Returns (grad_query, grad_norm_weight, grad_gate as a
+// 0-dim fp32 tensor).
 template <bool kIntoFloat>
-std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out, const at::Tensor& sources,
-                                                 const at::Tensor& query, const at::Tensor& norm_weight,
-                                                 const at::Tensor& weights, const Shape& s, double eps,
-                                                 at::Tensor& grad_sources, bool accumulate) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
+    const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,
+    const at::Tensor& norm_weight, const at::Tensor& weights, const at::Tensor& gate32, const Shape& s,
+    double eps, at::Tensor& grad_sources, bool accumulate) {
   const at::Tensor dout = grad_out.contiguous();
   const at::Tensor w = weights.contiguous();
   const at::Tensor q = query.to(at::kFloat).contiguous();
   const at::Tensor g = norm_weight.to(at::kFloat).contiguous();
   at::Tensor grad_query = at::zeros({s.d}, sources.options().dtype(at::kFloat));
   at::Tensor grad_norm = at::zeros({s.d}, sources.options().dtype(at::kFloat));
+  at::Tensor grad_gate = at::zeros({}, sources.options().dtype(at::kFloat));
   if (s.positions() > 0) {
     const bool vec8 = s.head_dim % 8 == 0 && aligned_for_vec8(sources) && aligned_for_vec8(q) &&
                       aligned_for_vec8(g) && aligned_for_vec8(dout) && aligned_for_vec8(grad_sources);
     const Plan plan = make_plan(s, vec8);
     const int64_t blocks = std::min(s.positions(), kBwdBlocks);
     at::Tensor z_partial = new_output({blocks, s.d}, sources.options().dtype(at::kFloat));
+    at::Tensor gate_partial = new_output({blocks}, sources.options().dtype(at::kFloat));
 
     BwdParams p{};
     p.route = make_routing(sources, q, g, s, eps);
@@ -210,7 +222,9 @@ std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out, con
     p.weights = w.data_ptr<float>();
     p.grad_sources = grad_sources.data_ptr();
     p.accumulate = accumulate;
+    p.gate = gate32.defined() ? gate32.data_ptr<float>() : nullptr;
     p.z_partial = z_partial.data_ptr<float>();
+    p.gate_partial = gate_partial.data_ptr<float>();
 
     dispatch_storage_dtype(sources.scalar_type(), "mhar_route_backward", "sources", [&](auto tag) {
       using T = decltype(tag);
@@ -223,31 +237,34 @@ std::tuple<at::Tensor, at::Tensor> backward_into(const at::Tensor& grad_out, con
                   dim3(plan.threads), plan.smem_bytes, p);
       });
     });
-    const unsigned reduce_blocks = static_cast<unsigned>((s.d + 255) / 256);
+    const unsigned reduce_blocks = static_cast<unsigned>((s.d + 1 + 255) / 256);  // d + 1 threads
     auto reduce = &mhar_param_grad_reduce_kernel;
     HW_LAUNCH("mhar_param_grad_reduce", reduce, dim3(reduce_blocks), dim3(256), 0,
-              z_partial.data_ptr<float>(), blocks, s.d, q.data_ptr<float>(), g.data_ptr<float>(),
-              grad_query.data_ptr<float>(), grad_norm.data_ptr<float>());
+              z_partial.data_ptr<float>(), gate_partial.data_ptr<float>(), blocks, s.d, q.data_ptr<float>(),
+              g.data_ptr<float>(), grad_query.data_ptr<float>(), grad_norm.data_ptr<float>(),
+              grad_gate.data_ptr<float>());
   }
-  return {grad_query.to(query.scalar_type()), grad_norm.to(norm_weight.scalar_type())};
+  return {grad_query.to(query.scalar_type()), grad_norm.to(norm_weight.scalar_type()), grad_gate};
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward)(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward)(
     const at::Tensor& grad_out, const at::Tensor& sources, const at::Tensor& query,
-    const at::Tensor& norm_weight, const at::Tensor& weights, int64_t num_heads,
-    int64_t num_sources, double eps) {
+    const at::Tensor& norm_weight, const at::Tensor& weights, const c10::optional<at::Tensor>& gate,
+    int64_t num_heads, int64_t num_sources, double eps) {
   HW_OP_RANGE("headwise::mhar_route_backward");
   const Shape s = check_route_args(sources, query, norm_weight, num_heads, num_sources, eps);
   check_backend(sources, s, "mhar_route_backward");
   check_backward_args(grad_out, sources, weights, s);
+  if (gate.has_value()) check_gate("mhar_route_backward", *gate, sources);
   const at::OptionalDeviceGuard device_guard(sources.device());
   at::Tensor grad_sources = new_output(sources.sizes(), sources.options());
   if (s.num_sources < s.max_sources) grad_sources.narrow(0, s.num_sources, s.max_sources - s.num_sources).zero_();
-  auto [grad_query, grad_norm] =
-      backward_into<false>(grad_out, sources, query, norm_weight, weights, s, eps, grad_sources, false);
-  return {grad_sources, grad_query, grad_norm};
+  auto [grad_query, grad_norm, grad_gate] = backward_into<false>(
+      grad_out, sources, query, norm_weight, weights, gate_as_float(gate), s, eps, grad_sources, false);
+  if (gate.has_value()) grad_gate = grad_gate.to(gate->scalar_type()).reshape(gate->sizes());
+  return {grad_sources, grad_query, grad_norm, grad_gate};
 }
 
 std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward_into)(
@@ -260,7 +277,9 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route_backward_into)(
   check_backward_args(grad_out, sources, weights, s);
   check_grad_buffer(grad_sources, sources, at::kFloat);
   const at::OptionalDeviceGuard device_guard(sources.device());
-  return backward_into<true>(grad_out, sources, query, norm_weight, weights, s, eps, grad_sources, accumulate);
+  const auto grads = backward_into<true>(grad_out, sources, query, norm_weight, weights, at::Tensor(), s, eps,
+                                         grad_sources, accumulate);
+  return {std::get<0>(grads), std::get<1>(grads)};
 }
 
 }  // namespace mhar

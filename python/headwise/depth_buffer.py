@@ -88,7 +88,7 @@ class DepthBuffer:
 class _BufferRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state, query, norm_weight, buffer: DepthBuffer, row: int, num_heads: int, eps: float):
-        out, weights = buffer._lib.mhar_route(buffer.states, query, norm_weight, num_heads, row + 1, eps, None)
+        out, weights = buffer._lib.mhar_route(buffer.states, query, norm_weight, num_heads, row + 1, eps, None, None)
         ctx.save_for_backward(query, norm_weight, weights)
         ctx.buffer, ctx.row, ctx.num_heads, ctx.eps = buffer, row, num_heads, eps
         return out

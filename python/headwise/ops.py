@@ -25,7 +25,7 @@ def _register(ns: str) -> None:
     route_backward = f"{ns}::mhar_route_backward"
 
     @torch.library.register_fake(route)
-    def _(sources, query, norm_weight, num_heads, num_sources, eps, residual):
+    def _(sources, query, norm_weight, num_heads, num_sources, eps, residual, gate):
         _, b, t, d = sources.shape
         torch._check(d % num_heads == 0, lambda: f"num_heads ({num_heads}) must divide d ({d})")
         out = sources.new_empty((b, t, d))
@@ -33,11 +33,12 @@ def _register(ns: str) -> None:
         return out, weights
 
     @torch.library.register_fake(route_backward)
-    def _(grad_out, sources, query, norm_weight, weights, num_heads, num_sources, eps):
+    def _(grad_out, sources, query, norm_weight, weights, gate, num_heads, num_sources, eps):
         return (
             torch.empty(sources.shape, dtype=sources.dtype, device=sources.device),
             query.new_empty(query.shape),
             norm_weight.new_empty(norm_weight.shape),
+            gate.new_empty(gate.shape) if gate is not None else weights.new_empty(()),
         )
 
     @torch.library.register_fake(f"{ns}::mhar_route_backward_into")
@@ -45,21 +46,22 @@ def _register(ns: str) -> None:
         return query.new_empty(query.shape), norm_weight.new_empty(norm_weight.shape)
 
     def setup_context(ctx, inputs, output):
-        sources, query, norm_weight, num_heads, num_sources, eps, residual = inputs
+        sources, query, norm_weight, num_heads, num_sources, eps, residual, gate = inputs
         _, weights = output
-        ctx.save_for_backward(sources, query, norm_weight, weights)
+        ctx.save_for_backward(sources, query, norm_weight, weights, gate)
         ctx.num_heads, ctx.num_sources, ctx.eps = num_heads, num_sources, eps
         ctx.has_residual = residual is not None
         ctx.mark_non_differentiable(weights)
 
     def backward(ctx, grad_out, _grad_weights):
-        sources, query, norm_weight, weights = ctx.saved_tensors
-        grad_out = grad_out.to(sources.dtype)
-        grad_sources, grad_query, grad_norm = getattr(torch.ops, ns).mhar_route_backward(
-            grad_out, sources, query, norm_weight, weights, ctx.num_heads, ctx.num_sources, ctx.eps
+        sources, query, norm_weight, weights, gate = ctx.saved_tensors
+        grad_out = grad_out.to(sources.dtype).contiguous()
+        grad_sources, grad_query, grad_norm, grad_gate = getattr(torch.ops, ns).mhar_route_backward(
+            grad_out, sources, query, norm_weight, weights, gate, ctx.num_heads, ctx.num_sources, ctx.eps
         )
         grad_residual = grad_out if ctx.has_residual else None
-        return grad_sources, grad_query, grad_norm, None, None, None, grad_residual
+        grad_gate = grad_gate if gate is not None else None
+        return grad_sources, grad_query, grad_norm, None, None, None, grad_residual, grad_gate
 
     torch.library.register_autograd(route, backward, setup_context=setup_context)
 
@@ -84,13 +86,17 @@ class Ops:
         num_sources: Optional[int] = None,
         eps: float = 1e-6,
         residual: Optional[torch.Tensor] = None,
+        gate: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """MHAR depth routing (SPEC section 4): ``out [B, T, d]`` in the sources' dtype.
 
         ``sources [N_max, B, T, d]`` (rows ``[0, num_sources)`` are read, default all),
         ``query [d]`` and ``norm_weight [d]`` (float32 or the sources' dtype), ``d``
-        divisible by ``num_heads``. ``residual [B, T, d]`` is added to the output.
-        Saves only the routing weights ``[N, B, T, H]`` (fp32) for backward.
+        divisible by ``num_heads``. With ``residual [B, T, d]`` and a one-element ``gate``
+        (float32 or the sources' dtype) the output is ``residual + gate * mix`` (the delta
+        modes; each is optional). Saves only the routing weights ``[N, B, T, H]`` (fp32)
+        for backward; the gate's gradient ``<dout, mix>`` comes out of the backward's
+        first pass.
         """
         if not isinstance(sources, torch.Tensor) or sources.dim() != 4:
             raise ValueError(
@@ -98,7 +104,7 @@ class Ops:
                 + (f"shape {list(sources.shape)}" if isinstance(sources, torch.Tensor) else type(sources).__name__)
             )
         n = sources.shape[0] if num_sources is None else int(num_sources)
-        out, _ = self._lib.mhar_route(sources, query, norm_weight, int(num_heads), n, float(eps), residual)
+        out, _ = self._lib.mhar_route(sources, query, norm_weight, int(num_heads), n, float(eps), residual, gate)
         return out
 
 

@@ -66,13 +66,15 @@ def mhar_route(
     num_sources: Optional[int] = None,
     eps: float = 1e-6,
     residual: Optional[torch.Tensor] = None,
+    gate: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """MHAR depth routing (SPEC section 4).
 
     ``sources [N_max, B, T, d]`` (rows ``[0, num_sources)`` are read), ``query [d]``,
-    ``norm_weight [d]``. Returns ``out[b, t, h-slice] = sum_n w[n, b, t, h] *
-    s_n[b, t, h-slice]`` (plus ``residual [B, T, d]`` when given), accumulated in fp32
-    (fp64 for fp64 sources) and returned in the sources' dtype.
+    ``norm_weight [d]``. Returns ``mix[b, t, h-slice] = sum_n w[n, b, t, h] *
+    s_n[b, t, h-slice]``, times the one-element ``gate`` and plus ``residual [B, T, d]``
+    when given (``residual + gate * mix``), accumulated in fp32 (fp64 for fp64
+    sources) and returned in the sources' dtype.
     """
     n_read = sources.shape[0] if num_sources is None else num_sources
     src = sources[:n_read]
@@ -80,6 +82,8 @@ def mhar_route(
     w = mhar_route_weights(src, query, norm_weight, num_heads=num_heads, eps=eps)
     values = src.to(w.dtype).view(n, b, t, num_heads, d // num_heads)
     out = (w.unsqueeze(-1) * values).sum(dim=0).reshape(b, t, d)
+    if gate is not None:
+        out = out * gate.to(w.dtype).reshape(())
     if residual is not None:
         out = out + residual.to(w.dtype)
     return out.to(sources.dtype)

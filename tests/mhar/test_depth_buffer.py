@@ -70,9 +70,9 @@ def test_backward_into_stores_then_accumulates(backend):
     sources = torch.randn(n, b, t, d, device=backend.device)
     query, norm_weight = 0.3 * torch.randn(d, device=backend.device), torch.ones(d, device=backend.device)
     lib = getattr(torch.ops, backend.ns)
-    _, w = lib.mhar_route(sources, query, norm_weight, h, 3, 1e-6, None)
+    _, w = lib.mhar_route(sources, query, norm_weight, h, 3, 1e-6, None, None)
     grad_out = torch.randn(b, t, d, device=backend.device)
-    grad_sources, gq, gg = lib.mhar_route_backward(grad_out, sources, query, norm_weight, w, h, 3, 1e-6)
+    grad_sources, gq, gg, _ = lib.mhar_route_backward(grad_out, sources, query, norm_weight, w, None, h, 3, 1e-6)
     buf = torch.full((n, b, t, d), 7.0, device=backend.device)
     gq2, gg2 = lib.mhar_route_backward_into(grad_out, sources, query, norm_weight, w, buf, h, 3, 1e-6, False)
     assert torch.equal(buf[:3], grad_sources[:3]) and torch.equal(buf[3:], torch.full_like(buf[3:], 7.0))
@@ -86,7 +86,7 @@ def test_backward_into_opcheck(backend):
     sources = torch.randn(n, b, t, d, device=backend.device)
     query, norm_weight = torch.randn(d, device=backend.device), torch.ones(d, device=backend.device)
     lib = getattr(torch.ops, backend.ns)
-    _, w = lib.mhar_route(sources, query, norm_weight, h, n, 1e-6, None)
+    _, w = lib.mhar_route(sources, query, norm_weight, h, n, 1e-6, None, None)
     buf = torch.zeros(n, b, t, d, device=backend.device)
     torch.library.opcheck(lib.mhar_route_backward_into,
                           (torch.randn(b, t, d, device=backend.device), sources, query, norm_weight, w, buf, h, n,
@@ -97,7 +97,7 @@ def test_backward_into_rejects_a_wrong_buffer(host_backend):
     sources = torch.randn(3, 1, 2, 8)
     lib = getattr(torch.ops, host_backend.ns)
     q, g = torch.zeros(8), torch.ones(8)
-    _, w = lib.mhar_route(sources, q, g, 2, 3, 1e-6, None)
+    _, w = lib.mhar_route(sources, q, g, 2, 3, 1e-6, None, None)
     for bad, err in ((torch.zeros(3, 1, 2, 8, dtype=torch.bfloat16), TypeError), (torch.zeros(2, 1, 2, 8), ValueError)):
         with pytest.raises(err, match="grad_sources"):
             lib.mhar_route_backward_into(torch.randn(1, 2, 8), sources, q, g, w, bad, 2, 3, 1e-6, False)

@@ -93,6 +93,46 @@ def test_num_sources_prefix_and_residual(backend):
     check_against_reference(backend, 6, 2, 5, 64, 4, num_sources=4, residual=True)
 
 
+@pytest.mark.parametrize("n,b,t,d,h", [(3, 2, 5, 96, 3), (5, 2, 37, 123, 3), (4, 1, 3, 2048, 2)])
+@pytest.mark.parametrize("gate_value", [0.0, -0.7, 1.3])
+def test_gate_and_residual_match_reference(backend, n, b, t, d, h, gate_value):
+    # Delta modes: out = residual + gate * mix; the gate's gradient is <dout, mix>, also
+    # at gate = 0 (the zero-initialized state of a converted model).
+    sources, query, norm_weight = make_inputs(n, b, t, d, device=backend.device, qscale=0.2)
+    gen = torch.Generator().manual_seed(3)
+    residual = torch.randn(b, t, d, generator=gen).to(backend.device)
+    gate = torch.tensor(gate_value, device=backend.device)
+    grad = torch.randn(b, t, d, generator=gen).to(backend.device)
+    results = []
+    for fn in (backend.mhar_route, reference.mhar_route):
+        leaves = [x.clone().requires_grad_() for x in (sources, query, norm_weight, residual, gate)]
+        out = fn(*leaves[:3], num_heads=h, residual=leaves[3], gate=leaves[4])
+        out.backward(grad)
+        results.append([out.detach()] + [x.grad for x in leaves])
+    names = ("out", "sources", "query", "norm_weight", "residual", "gate")
+    for name, got, want in zip(names, *results):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        err = rel_err(got, want)
+        assert err <= FP32_TOL, f"{name}: relative error {err:.3g}"
+    if gate_value == 0.0:
+        assert torch.equal(results[0][0], residual)
+        assert torch.count_nonzero(results[0][1]) == 0  # no gradient reaches the sources through a closed gate
+
+
+def test_gate_without_residual_and_bf16_gate(backend):
+    sources, query, norm_weight = make_inputs(3, 1, 5, 32, device=backend.device)
+    mix = backend.mhar_route(sources, query, norm_weight, num_heads=2)
+    gate = torch.tensor([0.5], device=backend.device, requires_grad=True)
+    out = backend.mhar_route(sources, query, norm_weight, num_heads=2, gate=gate)
+    torch.testing.assert_close(out, 0.5 * mix, rtol=1e-6, atol=1e-6)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(gate.grad, mix.sum().reshape(1), rtol=1e-5, atol=1e-5)
+    gate16 = torch.tensor(0.25, dtype=torch.bfloat16, device=backend.device, requires_grad=True)
+    out16 = backend.mhar_route(sources.bfloat16(), query, norm_weight, num_heads=2, gate=gate16)
+    out16.float().sum().backward()
+    assert gate16.grad.dtype == torch.bfloat16 and gate16.grad.shape == ()
+
+
 def test_strided_sources_read_in_place(backend):
     # A [B, T, N, d] buffer viewed as [N, B, T, d]: non-contiguous, last dim stride 1.
     base = torch.randn(2, 5, 3, 48, device=backend.device)
@@ -159,6 +199,9 @@ def test_gradcheck_float64_cpu_kernel():
     assert torch.autograd.gradcheck(fn, (sources, query, norm_weight, residual))
     fn2 = lambda s, q, g: headwise.mhar_route(s, q, g, num_heads=2, num_sources=2)  # noqa: E731
     assert torch.autograd.gradcheck(fn2, (sources, query, norm_weight))
+    gate = torch.tensor(0.6, dtype=torch.float64, requires_grad=True)
+    fn3 = lambda s, q, g, r, a: headwise.mhar_route(s, q, g, num_heads=3, residual=r, gate=a)  # noqa: E731
+    assert torch.autograd.gradcheck(fn3, (sources, query, norm_weight, residual, gate))
 
 
 def test_opcheck(backend):
@@ -166,8 +209,9 @@ def test_opcheck(backend):
     op = getattr(torch.ops, backend.ns).mhar_route
     residual = torch.randn(2, 5, 48, device=backend.device, requires_grad=True)
     samples = [
-        (sources.requires_grad_(), query.requires_grad_(), norm_weight.requires_grad_(), 4, 3, 1e-6, None),
-        (sources, query, norm_weight, 2, 2, 1e-5, residual),
+        (sources.requires_grad_(), query.requires_grad_(), norm_weight.requires_grad_(), 4, 3, 1e-6, None, None),
+        (sources, query, norm_weight, 2, 2, 1e-5, residual, None),
+        (sources, query, norm_weight, 4, 3, 1e-6, residual, torch.tensor(0.3, requires_grad=True).to(backend.device)),
     ]
     for args in samples:
         torch.library.opcheck(op, args)
@@ -290,6 +334,12 @@ class TestBadInput:
             self.call(host_backend, residual=torch.zeros(2, 5, 8))
         with pytest.raises(TypeError, match="residual"):
             self.call(host_backend, residual=torch.zeros(2, 5, 16, dtype=torch.bfloat16))
+
+    def test_gate_shape_and_dtype(self, host_backend):
+        with pytest.raises(ValueError, match="gate"):
+            self.call(host_backend, gate=torch.zeros(2))
+        with pytest.raises(TypeError, match="gate"):
+            self.call(host_backend, gate=torch.zeros((), dtype=torch.float64))
 
     def test_last_dim_stride(self, host_backend):
         with pytest.raises(ValueError, match="stride"):
