@@ -15,15 +15,23 @@ WORLD = 2
 TOL = 2.5e-6
 
 
-def make_model(routing_impl):
+# variant -> (residual, routing_impl, num_blocks)
+VARIANTS = {"per_call": ("mhar", "per_call", None), "buffer": ("mhar", "buffer", None),
+            "block_mhar": ("block_mhar", "per_call", 2)}
+
+
+def make_model(variant):
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=61, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, residual="mhar",
-                        routing_impl=routing_impl)
+    residual, routing_impl, num_blocks = VARIANTS[variant]
+    cfg = DecoderConfig(vocab_size=61, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, residual=residual,
+                        routing_impl=routing_impl, num_blocks=num_blocks)
     model = Decoder(cfg)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for router in model.routers:
             router.query.copy_(0.5 * torch.randn(router.query.shape, generator=gen))
+            if router.delta:
+                router.gate.fill_(0.7)
     return model
 
 
@@ -66,7 +74,7 @@ def _worker(rank, init_file, routing_impl, wrap, out_file):
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("routing_impl", ["per_call", "buffer"])
+@pytest.mark.parametrize("routing_impl", list(VARIANTS))
 def test_data_parallel_equals_one_process(routing_impl, wrap):
     model = make_model(routing_impl)
     loss = loss_of(model, batch())

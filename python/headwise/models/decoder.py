@@ -5,12 +5,26 @@ embeddings (rotate-half, theta 1e4), SwiGLU MLPs. The residual stream is one of:
   "residual"  h_{s+1} = h_s + f_s(norm(h_s))                       (the standard stream)
   "attnres"   x_s = route_s(h_0..h_s) with one routing head (Attention Residuals)
   "mhar"      x_s = route_s(h_0..h_s) with `routing_heads` heads  (Multi-Head AttnRes)
+  "delta_mhar", "block_mhar" (the delta modes, for converting a trained residual model)
+              x_s = h_s + alpha_s * route_s([null_s; D_1..D_m])
 where for the routed streams h_{s+1} = x_s + f_s(norm(x_s)) over the 2L sublayers
-(attention, MLP, attention, ...), and a final routing x_{2L} = route(h_0..h_{2L}) comes
-before the last norm. Routers start with zero queries: a uniform average of the states.
-`routing_impl="buffer"` keeps the states in a headwise.DepthBuffer (in place, fused
-accumulating backward); `"per_call"` stacks them for every call. `reference_forward`
-computes the same function with headwise.reference as the router.
+(attention, MLP, attention, ...), and a final routing x_{2L} comes before the last norm.
+Routers start with zero queries: a uniform average of their sources.
+
+Delta modes. The deltas are delta_0 = h_0 (the embedding) and delta_{j+1} = f_j (what
+sublayer j added). They are aggregated in consecutive blocks of `block` deltas: routing
+site s has seen delta_0..delta_s, and its sources D_1..D_m are the sums of the complete
+blocks among them and of the current partial block, m = ceil((s + 1) / block). In
+"delta_mhar" block = 1 (every delta its own source); in "block_mhar" block =
+ceil((2L + 1) / num_blocks), so a site never reads more than num_blocks deltas. The null
+source null_s [d] and the scalar gate alpha_s start at zero: at step 0 a delta-mode model
+computes exactly the standard residual model with the same weights. The kernel adds the
+residual stream h_s and applies the gate; delta modes always route per call (their
+per-call stacks are short), whatever `routing_impl` says.
+
+`routing_impl="buffer"` keeps the states of "attnres"/"mhar" in a headwise.DepthBuffer (in
+place, fused accumulating backward); `"per_call"` stacks them for every call.
+`reference_forward` computes the same function with headwise.reference as the router.
 """
 
 from __future__ import annotations
@@ -27,7 +41,8 @@ from ..depth_buffer import DepthBuffer
 from ..nn import MHARRouter
 from ..ops import DEFAULT_OPS, Ops
 
-RESIDUALS = ("residual", "attnres", "mhar")
+RESIDUALS = ("residual", "attnres", "mhar", "block_mhar", "delta_mhar")
+DELTA_RESIDUALS = ("block_mhar", "delta_mhar")
 ROUTING_IMPLS = ("buffer", "per_call")
 ATTENTIONS = ("mha",)
 
@@ -53,7 +68,11 @@ class DecoderConfig:
             (self.residual in RESIDUALS, f"residual must be one of {RESIDUALS}, got {self.residual!r}"),
             (self.routing_impl in ROUTING_IMPLS, f"routing_impl must be one of {ROUTING_IMPLS}, got {self.routing_impl!r}"),
             (self.attention in ATTENTIONS, f"attention must be one of {ATTENTIONS}, got {self.attention!r}"),
-            (self.num_blocks is None, "num_blocks applies to the block/delta residual modes, which this build lacks"),
+            (self.residual != "block_mhar" or (isinstance(self.num_blocks, int) and self.num_blocks >= 1),
+             f"residual='block_mhar' needs num_blocks >= 1, got {self.num_blocks!r}"),
+            (self.residual == "block_mhar" or self.num_blocks is None,
+             f"num_blocks applies to residual='block_mhar' only, got num_blocks={self.num_blocks!r} "
+             f"with residual={self.residual!r}"),
             (self.d_model % self.n_heads == 0, f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})"),
             (self.n_heads % kv == 0, f"n_kv_heads ({kv}) must divide n_heads ({self.n_heads})"),
             ((self.d_model // self.n_heads) % 2 == 0, "the head dim must be even for rotary embeddings"),
@@ -69,6 +88,13 @@ class DecoderConfig:
         if self.residual == "attnres":
             return 1
         return self.routing_heads or self.n_heads
+
+    @property
+    def deltas_per_block(self) -> int:
+        """Delta modes: how many consecutive deltas one source aggregates."""
+        if self.residual == "block_mhar":
+            return -(-(2 * self.n_layers + 1) // self.num_blocks)
+        return 1
 
 
 class RMSNorm(nn.Module):
@@ -148,7 +174,9 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.routers = nn.ModuleList()
         if cfg.residual != "residual":
-            self.routers.extend(MHARRouter(d, cfg.routing_heads_resolved, eps=cfg.norm_eps, ops=self._ops)
+            delta = cfg.residual in DELTA_RESIDUALS
+            self.routers.extend(MHARRouter(d, cfg.routing_heads_resolved, delta=delta, eps=cfg.norm_eps,
+                                           ops=self._ops)
                                 for _ in range(2 * cfg.n_layers + 1))
         self.apply(self._init_weights)
 
@@ -185,6 +213,8 @@ class Decoder(nn.Module):
             for s in range(steps):
                 h = h + self._sublayer(s, h, cos, sin)
             return self.lm_head(self.final_norm(h))
+        if cfg.residual in DELTA_RESIDUALS:
+            return self.lm_head(self.final_norm(self._run_delta(h, cos, sin, use_reference)))
         heads = cfg.routing_heads_resolved
         buf = None
         if cfg.routing_impl == "buffer" and not use_reference:
@@ -206,6 +236,28 @@ class Decoder(nn.Module):
             if s < steps:
                 h = x + self._sublayer(s, x, cos, sin)
         return self.lm_head(self.final_norm(x))
+
+    def _run_delta(self, h, cos, sin, use_reference: bool):
+        """The delta modes (module docstring); returns x_{2L}."""
+        steps, block = 2 * self.cfg.n_layers, self.cfg.deltas_per_block
+        blocks, partial, in_partial = [], h, 1  # delta_0 = h_0 opens the first block
+        for s in range(steps + 1):
+            router = self.routers[s]
+            deltas = blocks + [partial]
+            if use_reference:
+                x = reference.mhar_route(router.delta_sources(deltas), router.query, router.norm_weight,
+                                         num_heads=router.num_heads, eps=router.eps, residual=h, gate=router.gate)
+            else:
+                x = router(deltas, residual=h)
+            if s == steps:
+                return x
+            f = self._sublayer(s, x, cos, sin)
+            h = x + f
+            if in_partial == block:
+                blocks.append(partial)
+                partial, in_partial = f, 1
+            else:
+                partial, in_partial = partial + f, in_partial + 1
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
