@@ -247,3 +247,23 @@ def test_mhar_route_keeps_its_dtype_under_autocast(host_backend):
         assert host_backend.mhar_route(sources, query, norm_weight, num_heads=2).dtype == torch.float32
         out = host_backend.mhar_route(sources.bfloat16(), query, norm_weight, num_heads=2)
     assert out.dtype == torch.bfloat16
+
+
+def test_buffer_model_under_torch_compile_with_graph_breaks():
+    # DepthBuffer's backward mutates Python-side state (the shared accumulator and the
+    # reverse-order check), which dynamo does not trace: each buffer routing call is a
+    # graph break, and the compiled model still gives the eager loss and gradients.
+    # (Per-call and delta routing compile with fullgraph=True, see above.)
+    torch.manual_seed(0)
+    model = Decoder(tiny("mhar", "buffer", n_layers=2))
+    randomize_routers(model)
+    tokens = torch.randint(0, 61, (2, 9))
+    loss, grads = loss_and_grads(model, tokens)
+    compiled = torch.compile(model, backend="aot_eager")
+    model.zero_grad(set_to_none=True)
+    logits = compiled(tokens)
+    compiled_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 61), tokens[:, 1:].reshape(-1))
+    compiled_loss.backward()
+    assert rel_err(compiled_loss, loss) <= TOL
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, grads[name]) <= TOL, name

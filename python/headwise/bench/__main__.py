@@ -2,7 +2,7 @@
 
 Prints, per op and mode, the median time of the eager reference, of torch.compile of the
 reference, and of headwise, with the speedups of headwise over both, the bytes saved for
-backward and (on CUDA) the peak memory.
+backward and the peak memory of the step (see bench.timing.peak_bytes).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from . import mhar
+from . import mhar, model
 
-BENCHMARKS = {"mhar": mhar.run}
+BENCHMARKS = {"mhar": mhar.run, "model": model.run}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -32,7 +32,7 @@ def format_table(rows) -> str:
     for r in rows:
         groups.setdefault((r.op, r.shape, r.dtype, r.mode), {})[r.impl] = r
     header = f"{'op':<12} {'mode':<8} {'eager ms':>10} {'compile ms':>11} {'headwise ms':>12} " \
-             f"{'vs eager':>9} {'vs compile':>11} {'saved MiB (eager/compile/hw)':>30} {'peak MiB hw':>12}"
+             f"{'vs eager':>9} {'vs compile':>11} {'saved MiB (eager/compile/hw)':>30} {'peak MiB (eager/compile/hw)':>28}"
     shape_seen = None
     for (op, shape, dtype, mode), impls in groups.items():
         if shape_seen != (op, shape, dtype):
@@ -40,9 +40,10 @@ def format_table(rows) -> str:
             shape_seen = (op, shape, dtype)
         e, c, h = impls["eager"], impls["compile"], impls["headwise"]
         saved = "/".join(_mib(x.saved_bytes) for x in (e, c, h)) if h.saved_bytes is not None else "-"
+        peak = "/".join(_mib(x.peak_bytes) for x in (e, c, h)) if h.peak_bytes is not None else "-"
         lines.append(
             f"{op:<12} {mode:<8} {e.ms:>10.3f} {c.ms:>11.3f} {h.ms:>12.3f} "
-            f"{e.ms / h.ms:>8.2f}x {c.ms / h.ms:>10.2f}x {saved:>30} {_mib(h.peak_bytes):>12}"
+            f"{e.ms / h.ms:>8.2f}x {c.ms / h.ms:>10.2f}x {saved:>30} {peak:>28}"
         )
     return "\n".join(lines)
 

@@ -65,10 +65,32 @@ def saved_bytes(run_forward: Callable[[], torch.Tensor], inputs: list[torch.Tens
     return sum(seen.values())
 
 
+def _proc_status_bytes(key: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_bytes(fn: Callable[[], None], device: torch.device) -> Optional[int]:
-    """Peak allocated memory during ``fn()`` above what was allocated before (CUDA only)."""
+    """Peak memory during ``fn()`` above what was in use before. CUDA: the caching
+    allocator's peak. CPU (Linux only, else None): the growth of the process's peak
+    resident set (VmHWM, reset through /proc/self/clear_refs) over its resident set
+    before the call: it counts every allocation, tensors or not."""
     if device.type != "cuda":
-        return None
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            return None
+        base = _proc_status_bytes("VmRSS:")
+        fn()
+        peak = _proc_status_bytes("VmHWM:")
+        return None if base is None or peak is None else max(0, peak - base)
     synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
