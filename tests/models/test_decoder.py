@@ -267,3 +267,21 @@ def test_buffer_model_under_torch_compile_with_graph_breaks():
     assert rel_err(compiled_loss, loss) <= TOL
     for name, p in model.named_parameters():
         assert rel_err(p.grad, grads[name]) <= TOL, name
+
+
+def test_routing_saves_only_the_weights_in_a_whole_model():
+    # Buffer routing: the whole model saves for backward exactly what the standard residual
+    # model saves plus w [s + 1, B, T, H] (fp32) of each routing call s; the states live in
+    # the DepthBuffer, written once.
+    from headwise.bench.timing import saved_bytes
+
+    tokens = torch.randint(0, 61, (2, 9))
+    saved = {}
+    for residual in ("residual", "mhar"):
+        torch.manual_seed(0)
+        model = Decoder(tiny(residual))
+        randomize_routers(model)
+        saved[residual] = saved_bytes(lambda: model(tokens), list(model.parameters()))
+    n_layers, heads = 4, 4
+    weights = sum((s + 1) * 2 * 9 * heads * 4 for s in range(2 * n_layers + 1))
+    assert saved["mhar"] - saved["residual"] == weights
