@@ -1,13 +1,23 @@
 """python -m headwise.bench [op ...] [--device cpu|cuda] [--dtype ...] [--repeats N] [--json FILE]
+                           [--png FILE] [--quick] [--profile [--trace FILE]]
 
 Prints, per op and mode, the median time of the eager reference, of torch.compile of the
 reference, and of headwise, with the speedups of headwise over both, the bytes saved for
 backward and the peak memory of the step (see bench.timing.peak_bytes).
+
+--quick runs each benchmark at a tiny shape (a smoke test of the harness, not a
+measurement). --profile runs every measurement a fixed small number of times (the
+benchmark's warmup runs, then 3 timed) under
+torch.profiler, writing a Chrome trace (--trace); on CUDA also between
+cudaProfilerStart/Stop with NVTX ranges per aten op, for
+`nsys profile --capture-range=cudaProfilerApi python -m headwise.bench --profile ...`.
+headwise's own ranges (headwise::<op>) and kernel names are always present.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -16,9 +26,10 @@ import sys
 
 import torch
 
-from . import mhar, model
+from . import chart, mhar, model
 
-BENCHMARKS = {"mhar": mhar.run, "model": model.run}
+# name -> module with run(device, dtype, repeats, shape=None) -> list[Row] and QUICK_SHAPE
+BENCHMARKS = {"mhar": mhar, "model": model}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -57,17 +68,34 @@ def main(argv=None) -> int:
                    help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (median)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--png", metavar="FILE", help="also draw the speedups as a PNG chart (needs matplotlib)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes: check the harness, measure nothing")
+    p.add_argument("--profile", action="store_true", help="few fixed iterations under the profilers")
+    p.add_argument("--trace", metavar="FILE", default="headwise_trace.json",
+                   help="Chrome trace written by --profile (default: %(default)s)")
     args = p.parse_args(argv)
     unknown = [o for o in args.ops if o not in BENCHMARKS]
     if unknown:
         p.error(f"unknown op(s) {unknown}; choose from {list(BENCHMARKS)}")
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    repeats = args.repeats or (50 if device.type == "cuda" else 15)
+    repeats = 3 if args.profile else (args.repeats or (50 if device.type == "cuda" else 15))
 
     rows = []
-    for op in args.ops:
-        rows += BENCHMARKS[op](device, dtype, repeats)
+    with contextlib.ExitStack() as stack:
+        if args.profile:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+                stack.enter_context(torch.cuda.profiler.profile())
+                stack.enter_context(torch.autograd.profiler.emit_nvtx())
+            prof = stack.enter_context(torch.profiler.profile(activities=activities))
+        for op in args.ops:
+            bench = BENCHMARKS[op]
+            rows += bench.run(device, dtype, repeats, shape=bench.QUICK_SHAPE if args.quick else None)
+    if args.profile:
+        prof.export_chrome_trace(args.trace)
+        print(f"wrote the profiler trace {args.trace}")
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -79,6 +107,9 @@ def main(argv=None) -> int:
             json.dump({"date": stamp, "torch": torch.__version__, "machine": machine,
                        "command": " ".join(["python -m headwise.bench"] + (argv or sys.argv[1:])),
                        "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+    if args.png:
+        chart.write_png(rows, args.png, f"headwise {stamp}, {machine}, torch {torch.__version__}")
+        print(f"wrote {args.png}")
     return 0
 
 

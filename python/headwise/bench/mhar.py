@@ -12,6 +12,7 @@ from .timing import Row, median_ms, peak_bytes, saved_bytes
 
 CPU_SHAPE = dict(n=9, b=2, t=512, d=1024, h=8)
 GPU_SHAPE = dict(n=9, b=2, t=4096, d=4096, h=8)
+QUICK_SHAPE = dict(n=3, b=1, t=5, d=64, h=4)
 
 
 def run(device: torch.device, dtype: torch.dtype, repeats: int, shape: dict | None = None) -> list[Row]:

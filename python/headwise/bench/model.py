@@ -15,6 +15,7 @@ from .timing import Row, median_ms, peak_bytes, saved_bytes
 
 CPU_SHAPE = dict(vocab=256, d=512, layers=6, heads=8, kv=4, b=2, t=256)
 GPU_SHAPE = dict(vocab=32000, d=2048, layers=16, heads=16, kv=8, b=2, t=4096)
+QUICK_SHAPE = dict(vocab=61, d=32, layers=1, heads=2, kv=1, b=1, t=8)
 VARIANTS = {"residual": {}, "attnres": {}, "mhar": {}, "block_mhar": dict(num_blocks=4)}
 
 
