@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from . import mhar
+from . import mhar, qkv
 
-BENCHMARKS = {"mhar": mhar.run}
+BENCHMARKS = {"mhar": mhar.run, "qkv": qkv.run}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -35,6 +35,9 @@ def format_table(rows) -> str:
              f"{'vs eager':>9} {'vs compile':>11} {'saved MiB (eager/compile/hw)':>30} {'peak MiB hw':>12}"
     shape_seen = None
     for (op, shape, dtype, mode), impls in groups.items():
+        if not {"eager", "compile", "headwise"} <= impls.keys():  # a baseline row (e.g. the bare GEMM)
+            lines += [f"{op:<12} {mode:<8} {r.impl} {r.ms:.3f} ms" for r in impls.values()]
+            continue
         if shape_seen != (op, shape, dtype):
             lines += ["", f"{op}  {shape}  {dtype}", header]
             shape_seen = (op, shape, dtype)
