@@ -45,9 +45,13 @@ namespace qkv {
 
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxWidth = 256;
+// Heads per call (hq + 2 hkv). The head offsets travel inside the kernel parameters
+// (2 KiB, under the 4 KiB parameter limit), so a launch needs no host-to-device copy
+// and no synchronization, and can be captured in a CUDA graph.
+constexpr int kMaxHeads = 512;
 
 struct Geometry {
-  const int64_t* head_offsets;  // [hq + 2 hkv] first packed row of each head
+  int32_t head_offsets[kMaxHeads];  // first packed row of each head (q, k, v heads)
   const float* bias;            // [rows] or nullptr
   const float* q_norm;          // [d] or nullptr
   const float* k_norm;          // [d] or nullptr

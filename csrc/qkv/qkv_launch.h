@@ -55,6 +55,10 @@ inline void check_backend(const at::Tensor& x, const Shape& s, const char* op) {
   dispatch_storage_dtype(x.scalar_type(), op, "x", [](auto) {});
   TORCH_CHECK_VALUE(std::max(s.d, s.dv) <= kMaxWidth, "headwise.", op, ": head widths up to ", kMaxWidth,
                     " are supported by the CUDA kernels, got head_dim ", s.d, ", v_head_dim ", s.dv);
+  TORCH_CHECK_VALUE(s.heads() <= kMaxHeads, "headwise.", op, ": layout: at most ", kMaxHeads,
+                    " heads (num_q_heads + 2 num_kv_heads) are supported by the CUDA kernels, got ", s.heads());
+  TORCH_CHECK_VALUE(s.rows <= INT32_MAX, "headwise.", op, ": weight has ", s.rows,
+                    " rows; the CUDA kernels take at most 2^31 - 1");
 }
 
 inline at::Tensor small(const c10::optional<at::Tensor>& t) {
@@ -63,22 +67,20 @@ inline at::Tensor small(const c10::optional<at::Tensor>& t) {
 
 inline const float* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
-// The geometry; `keep` holds the fp32 copies of the small parameters and the offsets on
-// the device alive until the launch.
-inline Geometry make_geometry(const Shape& s, at::IntArrayRef head_offsets, const at::Tensor& x,
-                              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& q_norm,
-                              const c10::optional<at::Tensor>& k_norm, const c10::optional<at::Tensor>& cos,
+// The geometry; `keep` holds the fp32 copies of the small parameters alive until the
+// launch.
+inline Geometry make_geometry(const Shape& s, at::IntArrayRef head_offsets, const c10::optional<at::Tensor>& bias,
+                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, const c10::optional<at::Tensor>& cos,
                               const c10::optional<at::Tensor>& sin, double norm_eps, double scale_q,
                               std::vector<at::Tensor>& keep) {
-  keep = {at::tensor(head_offsets.vec(), at::kLong).to(x.device()), small(bias), small(q_norm), small(k_norm),
-          small(cos), small(sin)};
+  keep = {small(bias), small(q_norm), small(k_norm), small(cos), small(sin)};
   Geometry g{};
-  g.head_offsets = keep[0].data_ptr<int64_t>();
-  g.bias = ptr_or_null(keep[1]);
-  g.q_norm = ptr_or_null(keep[2]);
-  g.k_norm = ptr_or_null(keep[3]);
-  g.cos = ptr_or_null(keep[4]);
-  g.sin = ptr_or_null(keep[5]);
+  for (size_t h = 0; h < head_offsets.size(); ++h) g.head_offsets[h] = static_cast<int32_t>(head_offsets[h]);
+  g.bias = ptr_or_null(keep[0]);
+  g.q_norm = ptr_or_null(keep[1]);
+  g.k_norm = ptr_or_null(keep[2]);
+  g.cos = ptr_or_null(keep[3]);
+  g.sin = ptr_or_null(keep[4]);
   g.scale_q = static_cast<float>(scale_q);
   g.eps = static_cast<float>(norm_eps);
   g.tokens = s.tokens();
@@ -109,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_ENTRY(project)
   if (s.tokens() > 0) {
     std::vector<at::Tensor> keep;
     FwdParams p{};
-    p.g = make_geometry(s, head_offsets, x, bias, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
+    p.g = make_geometry(s, head_offsets, bias, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
     p.packed = packed.data_ptr();
     p.out[0] = q.data_ptr();
     p.out[1] = k.data_ptr();
@@ -148,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_EN
     at::Tensor partial = new_output({blocks * kWarpsPerBlock, 2, s.d}, x.options().dtype(at::kFloat));
     std::vector<at::Tensor> keep;
     BwdParams p{};
-    p.g = make_geometry(s, head_offsets, x, bias, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
+    p.g = make_geometry(s, head_offsets, bias, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
     p.packed = s.any_norm() ? pk.data_ptr() : nullptr;
     p.grad[0] = gq.data_ptr();
     p.grad[1] = gk.data_ptr();
