@@ -70,8 +70,9 @@ inline const float* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.da
 // The geometry; `keep` holds the fp32 copies of the small parameters alive until the
 // launch.
 inline Geometry make_geometry(const Shape& s, at::IntArrayRef head_offsets, const c10::optional<at::Tensor>& bias,
-                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, const c10::optional<at::Tensor>& cos,
-                              const c10::optional<at::Tensor>& sin, double norm_eps, double scale_q,
+                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                              const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                              double norm_eps, double scale_q,
                               std::vector<at::Tensor>& keep) {
   keep = {small(bias), small(q_norm), small(k_norm), small(cos), small(sin)};
   Geometry g{};
