@@ -7,7 +7,7 @@
 # GPU benchmarks. Each stage has its own time limit so the whole stays inside 9 minutes;
 # a failing stage is reported and the next one still runs. Everything lands in
 # RESULTS_DIR (default ./device_results): device_check.log, build.log, ptxas.txt,
-# cuda_tests.xml, bench_mhar.json.
+# cuda_tests.xml, bench_mhar.json, bench_qkv.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-device_results}
@@ -49,6 +49,7 @@ done
 
 stage "GPU benchmarks"
 timeout 180 $PY -m headwise.bench mhar --device cuda --json "$OUT_DIR/bench_mhar.json" || fail bench
+timeout 90 $PY -m headwise.bench qkv --device cuda --json "$OUT_DIR/bench_qkv.json" || fail "bench qkv"
 
 stage "done (status $status)"
 exit $status

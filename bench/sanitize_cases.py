@@ -7,6 +7,13 @@ import headwise
 
 # (N, B, T, d, H) covering vec8 segment / warps / generic and the scalar paths.
 MHAR_CASES = [(3, 2, 5, 96, 3), (5, 1, 7, 123, 3), (4, 1, 3, 2048, 2), (2, 3, 1, 96, 4), (7, 1, 5, 20, 5)]
+# (layout, B, S, D_model, rope): every item width (1, 2, 4) of the QKV epilogue kernels.
+QKV_CASES = [
+    (headwise.QKVLayout(2, 2, 3, 2), 2, 3, 6, False),
+    (headwise.QKVLayout(6, 3, 16, 12, interleave="kv_group"), 1, 37, 37, True),
+    (headwise.QKVLayout(3, 3, 96, 80), 1, 5, 37, True),
+    (headwise.QKVLayout(2, 1, 256, 131), 1, 3, 37, True),
+]
 
 
 def main():
@@ -23,6 +30,19 @@ def main():
             gate = torch.tensor(0.5, device="cuda", requires_grad=True)
             out = headwise.mhar_route(sources, query, norm_weight, num_heads=h, residual=residual, gate=gate)
             out.float().sum().backward()
+    for layout, b, s, dm, rope in QKV_CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(b, s, dm, device="cuda", dtype=dtype, requires_grad=True)
+            w = torch.randn(layout.num_rows, dm, device="cuda", dtype=dtype, requires_grad=True)
+            bias = torch.randn(layout.num_rows, device="cuda", dtype=dtype, requires_grad=True)
+            qn = torch.ones(layout.head_dim, device="cuda", requires_grad=True)
+            kn = torch.ones(layout.head_dim, device="cuda", requires_grad=True)
+            tables = None
+            if rope:
+                ang = torch.randn(s, layout.head_dim // 2, device="cuda").repeat(1, 2)
+                tables = (ang.cos(), ang.sin())
+            q, k, v = headwise.qkv_project(x, w, bias, layout=layout, q_norm=qn, k_norm=kn, rope=tables, scale_q=0.5)
+            (q.float().sum() + k.float().square().sum() + v.float().sum()).backward()
     torch.cuda.synchronize()
     print("sanitize_cases: ok")
 

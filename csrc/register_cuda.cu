@@ -1,5 +1,6 @@
 // CUDA implementations of torch.ops.headwise.
 #include "mhar/mhar_ops.h"
+#include "qkv/qkv_ops.h"
 
 #include <torch/library.h>
 
@@ -7,4 +8,6 @@ TORCH_LIBRARY_IMPL(headwise, CUDA, m) {
   m.impl("mhar_route", &headwise::mhar::route_cuda);
   m.impl("mhar_route_backward", &headwise::mhar::route_backward_cuda);
   m.impl("mhar_route_backward_into", &headwise::mhar::route_backward_into_cuda);
+  m.impl("qkv_project", &headwise::qkv::project_cuda);
+  m.impl("qkv_project_backward", &headwise::qkv::project_backward_cuda);
 }

@@ -2,6 +2,7 @@
 // registered as torch.ops.headwise_sim with the schemas of torch.ops.headwise.
 #include "common/simt/simt.h"
 #include "mhar/mhar_ops.h"
+#include "qkv/qkv_ops.h"
 #include "common/python_module.h"
 #include "schemas.h"
 
@@ -23,4 +24,6 @@ TORCH_LIBRARY_IMPL(headwise_sim, CPU, m) {
   m.impl("mhar_route", &headwise::mhar::route_sim);
   m.impl("mhar_route_backward", &headwise::mhar::route_backward_sim);
   m.impl("mhar_route_backward_into", &headwise::mhar::route_backward_into_sim);
+  m.impl("qkv_project", &headwise::qkv::project_sim);
+  m.impl("qkv_project_backward", &headwise::qkv::project_backward_sim);
 }

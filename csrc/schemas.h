@@ -23,6 +23,24 @@ inline void define_schemas(torch::Library& m) {
       "Tensor weights, Tensor(a!) grad_sources, int num_heads, int num_sources, float eps, "
       "bool accumulate) -> (Tensor, Tensor)",
       tags);
+  // Fused QKV projection (SPEC section 2). head_offsets: first packed row of every head
+  // (num_q_heads q heads, then num_kv_heads k heads, then num_kv_heads v heads), derived
+  // by headwise.QKVLayout; either head count may be 0 (q_project / kv_project).
+  // Returns head-major q, k, v and `packed`, the bias-free GEMM product [B*S, N_total]
+  // kept for the backward when a norm is applied (a 0-element tensor otherwise).
+  m.def(
+      "qkv_project(Tensor x, Tensor weight, Tensor? bias, int[] head_offsets, int num_q_heads, "
+      "int num_kv_heads, int head_dim, int v_head_dim, Tensor? q_norm, Tensor? k_norm, float norm_eps, "
+      "Tensor? rope_cos, Tensor? rope_sin, float scale_q) -> (Tensor, Tensor, Tensor, Tensor)",
+      tags);
+  // -> (grad_x, grad_weight, grad_bias, grad_q_norm, grad_k_norm); a gradient whose input
+  // is absent is a 0-element tensor.
+  m.def(
+      "qkv_project_backward(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor x, Tensor weight, "
+      "Tensor? bias, Tensor packed, int[] head_offsets, int num_q_heads, int num_kv_heads, int head_dim, "
+      "int v_head_dim, Tensor? q_norm, Tensor? k_norm, float norm_eps, Tensor? rope_cos, Tensor? rope_sin, "
+      "float scale_q) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      tags);
 }
 
 }  // namespace headwise

@@ -10,7 +10,22 @@ import torch  # noqa: F401  (the op libraries link against libtorch)
 from . import _C, _sim  # noqa: F401  (load torch.ops.headwise and torch.ops.headwise_sim)
 from . import models, nn, reference, testing
 from .depth_buffer import DepthBuffer
-from .ops import mhar_route
+from .ops import kv_project, mhar_route, q_project, qkv_project
+from .qkv_layout import QKVLayout, QKVManifest, from_hf_attention, from_multihead_attention
 
-__all__ = ["DepthBuffer", "mhar_route", "models", "nn", "reference", "testing"]
+__all__ = [
+    "DepthBuffer",
+    "QKVLayout",
+    "QKVManifest",
+    "from_hf_attention",
+    "from_multihead_attention",
+    "kv_project",
+    "mhar_route",
+    "models",
+    "nn",
+    "q_project",
+    "qkv_project",
+    "reference",
+    "testing",
+]
 __version__ = "0.1.0"

@@ -66,6 +66,85 @@ def _register(ns: str) -> None:
     torch.library.register_autograd(route, backward, setup_context=setup_context)
 
 
+def _register_qkv(ns: str) -> None:
+    """Fake kernels and autograd of qkv_project (SPEC section 2) for library ``ns``."""
+    project = f"{ns}::qkv_project"
+
+    @torch.library.register_fake(project)
+    def _(x, weight, bias, head_offsets, hq, hkv, d, dv, q_norm, k_norm, norm_eps, rope_cos, rope_sin, scale_q):
+        b, s, _ = x.shape
+        torch._check(weight.shape[0] == hq * d + hkv * (d + dv), lambda: "weight rows must match the layout")
+        q = x.new_empty((b, hq, s, d))
+        k = x.new_empty((b, hkv, s, d))
+        v = x.new_empty((b, hkv, s, dv))
+        packed = x.new_empty((b * s, weight.shape[0])) if (q_norm is not None or k_norm is not None) else x.new_empty((0,))
+        return q, k, v, packed
+
+    @torch.library.register_fake(f"{ns}::qkv_project_backward")
+    def _(grad_q, grad_k, grad_v, x, weight, bias, packed, head_offsets, hq, hkv, d, dv, q_norm, k_norm,
+          norm_eps, rope_cos, rope_sin, scale_q):
+        empty = x.new_empty((0,))
+        return (
+            x.new_empty(x.shape),
+            weight.new_empty(weight.shape),
+            bias.new_empty(bias.shape) if bias is not None else empty,
+            q_norm.new_empty(q_norm.shape) if q_norm is not None else empty,
+            k_norm.new_empty(k_norm.shape) if k_norm is not None else empty,
+        )
+
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, head_offsets, hq, hkv, d, dv, q_norm, k_norm, norm_eps, cos, sin, scale_q = inputs
+        packed = output[3]
+        # Saved: the inputs, and the bias-free product only when a norm needs its statistic.
+        ctx.save_for_backward(x, weight, bias, q_norm, k_norm, cos, sin, packed)
+        ctx.args = (head_offsets, hq, hkv, d, dv)
+        ctx.norm_eps, ctx.scale_q = norm_eps, scale_q
+        ctx.mark_non_differentiable(packed)
+
+    def backward(ctx, grad_q, grad_k, grad_v, _grad_packed):
+        x, weight, bias, q_norm, k_norm, cos, sin, packed = ctx.saved_tensors
+        head_offsets, hq, hkv, d, dv = ctx.args
+        b, s, _ = x.shape
+
+        def grad_or_zeros(g, shape):
+            return torch.zeros(shape, dtype=x.dtype, device=x.device) if g is None else g.to(x.dtype)
+
+        grad_q = grad_or_zeros(grad_q, (b, hq, s, d))
+        grad_k = grad_or_zeros(grad_k, (b, hkv, s, d))
+        grad_v = grad_or_zeros(grad_v, (b, hkv, s, dv))
+        gx, gw, gb, gqn, gkn = getattr(torch.ops, ns).qkv_project_backward(
+            grad_q, grad_k, grad_v, x, weight, bias, packed, head_offsets, hq, hkv, d, dv, q_norm, k_norm,
+            ctx.norm_eps, cos, sin, ctx.scale_q,
+        )
+        return (
+            gx, gw, gb if bias is not None else None, None, None, None, None, None,
+            gqn if q_norm is not None else None, gkn if k_norm is not None else None, None, None, None, None,
+        )
+
+    torch.library.register_autograd(project, backward, setup_context=setup_context)
+
+
+def _rope_args(rope, op):
+    if rope is None:
+        return None, None
+    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+        raise ValueError(f"headwise.{op}: rope must be a (cos, sin) pair of [S, head_dim] tensors")
+    return rope[0], rope[1]
+
+
+def _check_layout(layout, op):
+    from .qkv_layout import QKVLayout
+
+    if not isinstance(layout, QKVLayout):
+        raise ValueError(f"headwise.{op}: layout must be a headwise.QKVLayout, got {type(layout).__name__}")
+
+
+def _check_x(x, op):
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        got = f"shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"headwise.{op}: x must be a 3-D tensor [B, S, D_model], got {got}")
+
+
 class Ops:
     """The public functions of headwise bound to one op library (``headwise`` or
     ``headwise_sim``); see :func:`headwise.testing.backend`."""
@@ -108,8 +187,94 @@ class Ops:
         return out
 
 
+    def qkv_project(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        *,
+        layout,
+        q_norm: Optional[torch.Tensor] = None,
+        k_norm: Optional[torch.Tensor] = None,
+        norm_eps: float = 1e-6,
+        rope=None,
+        scale_q: Optional[float] = None,
+    ):
+        """Fused QKV projection (SPEC section 2): ``(q [B, Hq, S, D], k [B, Hkv, S, D],
+        v [B, Hkv, S, Dv])``, head-major and contiguous, in x's dtype.
+
+        ``x [B, S, D_model]``, ``weight [N_total, D_model]`` packed by ``layout`` (a
+        :class:`headwise.QKVLayout`), ``bias [N_total]``. Epilogue, in order: bias;
+        per-head RMSNorm of q / k with weights ``q_norm`` / ``k_norm`` ``[D]`` (fp32
+        statistic, Qwen3 rounding); RoPE ``rope=(cos, sin)``, each ``[S, D]``, on q and
+        k (rotate-half); ``scale_q`` multiplies q. Differentiable in x, weight, bias,
+        q_norm and k_norm (not in the rope tables).
+        """
+        _check_layout(layout, "qkv_project")
+        _check_x(x, "qkv_project")
+        cos, sin = _rope_args(rope, "qkv_project")
+        q, k, v, _ = self._lib.qkv_project(
+            x, weight, bias, list(layout.head_offsets()), layout.num_q_heads, layout.num_kv_heads,
+            layout.head_dim, layout.v_head_dim, q_norm, k_norm, float(norm_eps), cos, sin,
+            1.0 if scale_q is None else float(scale_q),
+        )
+        return q, k, v
+
+    def q_project(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        *,
+        layout,
+        q_norm: Optional[torch.Tensor] = None,
+        norm_eps: float = 1e-6,
+        rope=None,
+        scale_q: Optional[float] = None,
+    ) -> torch.Tensor:
+        """The target-side query of a cross-attention: ``weight [Hq*D, D_model]`` holds
+        the layout's Q rows (``layout.split(...)[0]``). Returns ``q [B, Hq, S, D]``
+        with the epilogue of :meth:`qkv_project`."""
+        _check_layout(layout, "q_project")
+        _check_x(x, "q_project")
+        cos, sin = _rope_args(rope, "q_project")
+        q, _, _, _ = self._lib.qkv_project(
+            x, weight, bias, list(layout.head_offsets(("q",))), layout.num_q_heads, 0,
+            layout.head_dim, layout.v_head_dim, q_norm, None, float(norm_eps), cos, sin,
+            1.0 if scale_q is None else float(scale_q),
+        )
+        return q
+
+    def kv_project(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        *,
+        layout,
+        k_norm: Optional[torch.Tensor] = None,
+        norm_eps: float = 1e-6,
+        rope=None,
+    ):
+        """The source-side fused K/V of a cross-attention: ``weight`` holds the
+        layout's K and V rows in packing order (``fused[layout.rows(("k", "v"))]``).
+        Returns ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]``."""
+        _check_layout(layout, "kv_project")
+        _check_x(x, "kv_project")
+        cos, sin = _rope_args(rope, "kv_project")
+        _, k, v, _ = self._lib.qkv_project(
+            x, weight, bias, list(layout.head_offsets(("k", "v"))), 0, layout.num_kv_heads,
+            layout.head_dim, layout.v_head_dim, None, k_norm, float(norm_eps), cos, sin, 1.0,
+        )
+        return k, v
+
+
 for _ns in LIBRARIES:
     _register(_ns)
+    _register_qkv(_ns)
 
 DEFAULT_OPS = Ops("headwise")  # what modules use when no backend is given
 mhar_route = DEFAULT_OPS.mhar_route
+qkv_project = DEFAULT_OPS.qkv_project
+q_project = DEFAULT_OPS.q_project
+kv_project = DEFAULT_OPS.kv_project

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["mhar_route", "mhar_route_weights"]
+__all__ = ["mhar_route", "mhar_route_weights", "qkv_project", "q_project", "kv_project", "rms_norm_heads", "apply_rope"]
 
 
 def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -87,3 +87,105 @@ def mhar_route(
     if residual is not None:
         out = out + residual.to(w.dtype)
     return out.to(sources.dtype)
+
+
+# -- fused QKV projection (SPEC section 2) ---------------------------------------------
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm over the last dim, Hugging Face Qwen3RMSNorm rounding: the
+    statistic and the normalization in fp32 (fp64 for fp64), the normalized value cast
+    to the input dtype, then multiplied by ``weight``."""
+    acc = _accumulation_dtype(x)
+    h = x.to(acc)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention: ``x * cos + rotate_half(x) * sin`` with
+    ``cos``/``sin`` ``[S, D]`` broadcast over ``x [B, H, S, D]``."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def _split_packed(y: torch.Tensor, layout, roles):
+    """The per-role slices of a packed projection ``y [B, S, rows]`` whose rows hold
+    ``roles`` in the layout's packing order: linear -> split (slices for contiguous
+    layouts, a row gather for interleaved ones) -> view -> transpose."""
+    b, s, _ = y.shape
+    offsets = layout.head_offsets(roles)
+    out, i = {}, 0
+    for role in ("q", "k", "v"):
+        if role not in roles:
+            continue
+        n, w = layout.num_heads(role), layout.width(role)
+        offs = offsets[i : i + n]
+        i += n
+        if all(offs[h] == offs[0] + h * w for h in range(n)):  # one contiguous span
+            part = y[..., offs[0] : offs[0] + n * w]
+        else:
+            idx = torch.tensor([o + j for o in offs for j in range(w)], device=y.device)
+            part = y.index_select(-1, idx)
+        out[role] = part.view(b, s, n, w).transpose(1, 2)
+    return out
+
+
+def _epilogue(parts, x_dtype, *, q_norm, k_norm, norm_eps, rope, scale_q):
+    acc = torch.float64 if x_dtype == torch.float64 else torch.float32
+    outs = {}
+    for role, t in parts.items():
+        if role == "q" and q_norm is not None:
+            t = rms_norm_heads(t, q_norm, norm_eps)
+        if role == "k" and k_norm is not None:
+            t = rms_norm_heads(t, k_norm, norm_eps)
+        if role in ("q", "k") and rope is not None:
+            cos, sin = rope
+            t = apply_rope(t.to(acc), cos.to(acc), sin.to(acc))
+        if role == "q" and scale_q is not None:
+            t = t * scale_q
+        outs[role] = t.to(x_dtype).contiguous()
+    return outs
+
+
+def qkv_project(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    layout,
+    q_norm: Optional[torch.Tensor] = None,
+    k_norm: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    rope=None,
+    scale_q: Optional[float] = None,
+):
+    """Fused QKV projection, eager (SPEC section 2): ``F.linear`` -> split by the
+    layout's spans -> view -> transpose -> per-head q/k RMSNorm (Qwen3 rounding) ->
+    RoPE on q and k (in fp32) -> ``scale_q`` on q -> contiguous. Returns head-major
+    ``q [B, Hq, S, D]``, ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]`` in x's dtype."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    parts = _split_packed(y, layout, ("q", "k", "v"))
+    o = _epilogue(parts, x.dtype, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps, rope=rope, scale_q=scale_q)
+    return o["q"], o["k"], o["v"]
+
+
+def q_project(x, weight, bias=None, *, layout, q_norm=None, norm_eps=1e-6, rope=None, scale_q=None):
+    """The query side of a cross-attention projection: ``weight`` holds the layout's Q
+    rows only. Returns ``q [B, Hq, S, D]``."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    parts = _split_packed(y, layout, ("q",))
+    return _epilogue(parts, x.dtype, q_norm=q_norm, k_norm=None, norm_eps=norm_eps, rope=rope, scale_q=scale_q)["q"]
+
+
+def kv_project(x, weight, bias=None, *, layout, k_norm=None, norm_eps=1e-6, rope=None):
+    """The source side of a cross-attention projection: ``weight`` holds the layout's K
+    and V rows in packing order. Returns ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]``."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    parts = _split_packed(y, layout, ("k", "v"))
+    o = _epilogue(parts, x.dtype, q_norm=None, k_norm=k_norm, norm_eps=norm_eps, rope=rope, scale_q=None)
+    return o["k"], o["v"]

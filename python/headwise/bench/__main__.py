@@ -26,10 +26,10 @@ import sys
 
 import torch
 
-from . import chart, mhar, model
+from . import chart, mhar, model, qkv
 
 # name -> module with run(device, dtype, repeats, shape=None) -> list[Row] and QUICK_SHAPE
-BENCHMARKS = {"mhar": mhar, "model": model}
+BENCHMARKS = {"mhar": mhar, "qkv": qkv, "model": model}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -46,6 +46,9 @@ def format_table(rows) -> str:
              f"{'vs eager':>9} {'vs compile':>11} {'saved MiB (eager/compile/hw)':>30} {'peak MiB (eager/compile/hw)':>28}"
     shape_seen = None
     for (op, shape, dtype, mode), impls in groups.items():
+        if not {"eager", "compile", "headwise"} <= impls.keys():  # a baseline row (e.g. the bare GEMM)
+            lines += [f"{op:<12} {mode:<8} {r.impl} {r.ms:.3f} ms" for r in impls.values()]
+            continue
         if shape_seen != (op, shape, dtype):
             lines += ["", f"{op}  {shape}  {dtype}", header]
             shape_seen = (op, shape, dtype)

@@ -1,0 +1,183 @@
+// Host side of the fused QKV projection on the CUDA backend: checks, the library GEMM
+// (at::mm -> cuBLAS), the epilogue launches, and the backend entries of qkv_ops.h.
+// Compiled once as the CUDA backend (qkv_cuda.cu, nvcc: project_cuda) and once as the
+// emulated backend (qkv_sim.cpp, host compiler against the SIMT emulator: project_sim,
+// where at::mm runs on the CPU), so both run exactly the same launch logic.
+#pragma once
+
+#include "../common/dispatch.h"
+#include "../common/op_range.h"
+#include "../common/outputs.h"
+#include "qkv_args.h"
+#include "qkv_kernel.cuh"
+#include "qkv_ops.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+
+#include <algorithm>
+#include <tuple>
+
+namespace headwise {
+namespace qkv {
+#if HW_SIM
+#define HW_QKV_ENTRY(name) name##_sim
+namespace {
+constexpr const char* kBackend = "the emulated CUDA backend (torch.ops.headwise_sim) takes CPU tensors";
+inline bool on_backend_device(const at::Tensor& t) { return t.device().is_cpu(); }
+#else
+#define HW_QKV_ENTRY(name) name##_cuda
+namespace {
+constexpr const char* kBackend = "the CUDA backend takes CUDA tensors";
+inline bool on_backend_device(const at::Tensor& t) { return t.is_cuda(); }
+#endif
+
+// Forward grid cap (blocks loop over tokens beyond it), and the fixed persistent grid of
+// the backward (so that the norm-weight reduction order does not depend on the device).
+constexpr int64_t kMaxGrid = (int64_t{1} << 31) - 1;
+constexpr int64_t kBwdBlocks = 512;
+
+// Calls f(std::integral_constant<int, ITEMS>{}) for the widest head of the call.
+template <typename F>
+void dispatch_items(const Shape& s, F&& f) {
+  const int64_t half = (std::max(s.d, s.dv) + 1) / 2;
+  if (half <= 32) {
+    f(std::integral_constant<int, 1>{});
+  } else if (half <= 64) {
+    f(std::integral_constant<int, 2>{});
+  } else {
+    f(std::integral_constant<int, 4>{});
+  }
+}
+
+inline void check_backend(const at::Tensor& x, const Shape& s, const char* op) {
+  TORCH_CHECK(on_backend_device(x), "headwise.", op, ": x is on ", x.device(), " but ", kBackend);
+  dispatch_storage_dtype(x.scalar_type(), op, "x", [](auto) {});
+  TORCH_CHECK_VALUE(std::max(s.d, s.dv) <= kMaxWidth, "headwise.", op, ": head widths up to ", kMaxWidth,
+                    " are supported by the CUDA kernels, got head_dim ", s.d, ", v_head_dim ", s.dv);
+  TORCH_CHECK_VALUE(s.heads() <= kMaxHeads, "headwise.", op, ": layout: at most ", kMaxHeads,
+                    " heads (num_q_heads + 2 num_kv_heads) are supported by the CUDA kernels, got ", s.heads());
+  TORCH_CHECK_VALUE(s.rows <= INT32_MAX, "headwise.", op, ": weight has ", s.rows,
+                    " rows; the CUDA kernels take at most 2^31 - 1");
+}
+
+inline at::Tensor small(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor();
+}
+
+inline const float* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// The geometry; `keep` holds the fp32 copies of the small parameters alive until the
+// launch.
+inline Geometry make_geometry(const Shape& s, at::IntArrayRef head_offsets, const c10::optional<at::Tensor>& bias,
+                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                              const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                              double norm_eps, double scale_q,
+                              std::vector<at::Tensor>& keep) {
+  keep = {small(bias), small(q_norm), small(k_norm), small(cos), small(sin)};
+  Geometry g{};
+  for (size_t h = 0; h < head_offsets.size(); ++h) g.head_offsets[h] = static_cast<int32_t>(head_offsets[h]);
+  g.bias = ptr_or_null(keep[0]);
+  g.q_norm = ptr_or_null(keep[1]);
+  g.k_norm = ptr_or_null(keep[2]);
+  g.cos = ptr_or_null(keep[3]);
+  g.sin = ptr_or_null(keep[4]);
+  g.scale_q = static_cast<float>(scale_q);
+  g.eps = static_cast<float>(norm_eps);
+  g.tokens = s.tokens();
+  g.seq = s.seq;
+  g.rows = s.rows;
+  g.hq = s.hq;
+  g.hkv = s.hkv;
+  g.d = s.d;
+  g.dv = s.dv;
+  return g;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_ENTRY(project)(
+    const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+    at::IntArrayRef head_offsets, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_head_dim,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double norm_eps,
+    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q) {
+  HW_OP_RANGE("headwise::qkv_project");
+  constexpr const char* op = "qkv_project";
+  const Shape s = check_project_args(op, x, weight, bias, head_offsets, num_q_heads, num_kv_heads, head_dim,
+                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin);
+  check_backend(x, s, op);
+  const at::OptionalDeviceGuard device_guard(x.device());
+  auto [q, k, v] = new_head_outputs(s, x, new_output);
+  const at::Tensor packed = packed_product(x, weight, s);
+  if (s.tokens() > 0) {
+    std::vector<at::Tensor> keep;
+    FwdParams p{};
+    p.g = make_geometry(s, head_offsets, bias, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
+    p.packed = packed.data_ptr();
+    p.out[0] = q.data_ptr();
+    p.out[1] = k.data_ptr();
+    p.out[2] = v.data_ptr();
+    dispatch_storage_dtype(x.scalar_type(), op, "x", [&](auto tag) {
+      using T = decltype(tag);
+      dispatch_items(s, [&](auto items) {
+        auto kernel = &qkv_epilogue_fwd_kernel<T, decltype(items)::value>;
+        HW_LAUNCH("qkv_epilogue_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.tokens(), kMaxGrid))),
+                  dim3(kWarpsPerBlock * 32), 0, p);
+      });
+    });
+  }
+  return {q, k, v, s.any_norm() ? packed : at::empty({0}, x.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_ENTRY(project_backward)(
+    const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& grad_v, const at::Tensor& x,
+    const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& packed,
+    at::IntArrayRef head_offsets, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_head_dim,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double norm_eps,
+    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q) {
+  HW_OP_RANGE("headwise::qkv_project_backward");
+  constexpr const char* op = "qkv_project_backward";
+  const Shape s = check_project_args(op, x, weight, bias, head_offsets, num_q_heads, num_kv_heads, head_dim,
+                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin);
+  check_backend(x, s, op);
+  check_backward_args(op, grad_q, grad_k, grad_v, x, packed, s);
+  const at::OptionalDeviceGuard device_guard(x.device());
+  const at::Tensor gq = contiguous_grad(grad_q), gk = contiguous_grad(grad_k), gv = contiguous_grad(grad_v);
+  const at::Tensor pk = s.any_norm() ? packed.contiguous() : packed;
+  at::Tensor G = new_output({s.tokens(), s.rows}, x.options());
+  at::Tensor norm_sum = at::zeros({2, s.d}, x.options().dtype(at::kFloat));
+  if (s.tokens() > 0) {
+    const int64_t blocks = std::min(s.tokens(), kBwdBlocks);
+    at::Tensor partial = new_output({blocks * kWarpsPerBlock, 2, s.d}, x.options().dtype(at::kFloat));
+    std::vector<at::Tensor> keep;
+    BwdParams p{};
+    p.g = make_geometry(s, head_offsets, bias, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
+    p.packed = s.any_norm() ? pk.data_ptr() : nullptr;
+    p.grad[0] = gq.data_ptr();
+    p.grad[1] = gk.data_ptr();
+    p.grad[2] = gv.data_ptr();
+    p.grad_packed = G.data_ptr();
+    p.partial = partial.data_ptr<float>();
+    dispatch_storage_dtype(x.scalar_type(), op, "x", [&](auto tag) {
+      using T = decltype(tag);
+      dispatch_items(s, [&](auto items) {
+        auto kernel = &qkv_epilogue_bwd_kernel<T, decltype(items)::value>;
+        HW_LAUNCH("qkv_epilogue_bwd", kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarpsPerBlock * 32), 0,
+                  p);
+      });
+    });
+    if (s.any_norm()) {
+      const int64_t cols = 2 * s.d;
+      auto reduce = &qkv_norm_grad_reduce_kernel;
+      HW_LAUNCH("qkv_norm_grad_reduce", reduce, dim3(static_cast<unsigned>((cols + 255) / 256)), dim3(256), 0,
+                partial.data_ptr<float>(), blocks * kWarpsPerBlock, cols, norm_sum.data_ptr<float>());
+    }
+  }
+  auto [grad_x, grad_w, grad_b] = backward_gemms(G, x, weight, bias, s);
+  at::Tensor grad_qn = q_norm.has_value() ? norm_sum[0].to(q_norm->scalar_type()) : at::empty({0}, x.options());
+  at::Tensor grad_kn = k_norm.has_value() ? norm_sum[1].to(k_norm->scalar_type()) : at::empty({0}, x.options());
+  return {grad_x, grad_w, grad_b, grad_qn, grad_kn};
+}
+
+}  // namespace qkv
+}  // namespace headwise
