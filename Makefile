@@ -1,5 +1,6 @@
-# Two entry points, both usable on a fresh machine:
-#   make bench   set up .venv, build headwise, run the MHAR benchmark (the main job)
+# Entry points, all usable on a fresh machine:
+#   make demo    set up .venv, build headwise, run the main job: python -m headwise.demo
+#   make bench   set up .venv, build headwise, run the benchmark suite (CPU: minutes)
 #   make test    set up .venv, build headwise, run the test suite
 # Setup: a virtualenv with torch $(TORCH_VERSION) and the requirements, then
 # `pip install --no-build-isolation .` (CUDA kernels when nvcc and a CUDA torch exist).
@@ -9,13 +10,16 @@ TORCH_VERSION ?= 2.14.1
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc python -type f \( -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' -o -name '*.py' \)) setup.py
 
-.PHONY: test bench install clean
+.PHONY: demo test bench install clean
+
+demo: $(VENV)/.installed
+	$(PY) -m headwise.demo --out demo_out
 
 test: $(VENV)/.installed
 	cd tests && ../$(PY) -m pytest -q -ra .
 
 bench: $(VENV)/.installed
-	$(PY) -m headwise.bench mhar
+	$(PY) -m headwise.bench mhar qkv --json bench_out.json --png bench_out.png
 
 install: $(VENV)/.installed
 
