@@ -147,11 +147,22 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> new_head_outputs(const Sha
           new_output({s.batch, s.hkv, s.seq, s.dv}, x.options())};
 }
 
-// The library GEMM of the forward: packed = x2d @ weight^T, [B*S, N_total] in x's dtype
-// (fp32 accumulation inside MKL/oneDNN on CPU and cuBLAS on CUDA), bias-free: the bias
-// is added in fp32 by the epilogue.
-inline at::Tensor packed_product(const at::Tensor& x, const at::Tensor& weight, const Shape& s) {
-  return at::mm(x.reshape({s.tokens(), s.d_model}), weight.t());
+// Whether a norm weight is stored in x's dtype: then the reference's weight * h is a tensor
+// of that dtype, and the kernels round the product to it as well (fp32 weights: no
+// rounding, the product stays fp32 until the output).
+inline bool norm_rounds(const at::Tensor& x, const c10::optional<at::Tensor>& norm) {
+  return norm.has_value() && norm->scalar_type() == x.scalar_type();
+}
+
+// The library GEMM of the forward: packed = x2d @ weight^T + bias, [B*S, N_total] in x's
+// dtype (fp32 accumulation inside MKL/oneDNN on CPU and cuBLAS(Lt) on CUDA, with the bias
+// in the GEMM's epilogue), i.e. rounded to the storage dtype once, exactly where
+// F.linear(x, weight, bias) rounds.
+inline at::Tensor packed_product(const at::Tensor& x, const at::Tensor& weight,
+                                 const c10::optional<at::Tensor>& bias, const Shape& s) {
+  const at::Tensor x2d = x.reshape({s.tokens(), s.d_model});
+  if (bias.has_value()) return at::addmm(bias->to(x.scalar_type()), x2d, weight.t());
+  return at::mm(x2d, weight.t());
 }
 
 // The library GEMMs of the backward from the packed gradient G [B*S, N_total]:

@@ -1,6 +1,6 @@
 // CPU kernels of the fused QKV projection (math: qkv_kernel.cuh). The product is one
-// library GEMM (at::mm: MKL / oneDNN); the epilogue is fused C++: each token's packed
-// row is read once and every head is written, biased, normalized, rotated and scaled,
+// library GEMM with the bias (at::addmm: MKL / oneDNN); the epilogue is fused C++: each
+// token's packed row is read once and every head is written, normalized, rotated and scaled,
 // straight into its head-major output. Tokens run in parallel with at::parallel_for in
 // fixed chunks of kChunk rows; the norm-weight gradients are summed per chunk and then
 // over chunks in order, so results do not depend on the number of threads.
@@ -29,9 +29,9 @@ template <typename T, typename A>
 struct Call {
   Shape s;
   const int64_t* offsets;
-  const A* bias;  // [rows] or nullptr
   const A* qn;    // [d] or nullptr
   const A* kn;
+  bool qn_rounds, kn_rounds;  // that norm weight is stored in T: round y * w to T
   const A* cos;   // [S, d] or nullptr
   const A* sin;
   A scale_q, eps;
@@ -47,20 +47,17 @@ struct Call {
   int64_t width(Role r) const { return r == kV ? s.dv : s.d; }
   int64_t heads_of(Role r) const { return r == kQ ? s.hq : s.hkv; }
   const A* norm(Role r) const { return r == kQ ? qn : (r == kK ? kn : nullptr); }
+  bool norm_rounds(Role r) const { return r == kQ ? qn_rounds : kn_rounds; }
   // Offset of (b, head, t) in a head-major [B, H, S, width] tensor.
   int64_t head_row(Role r, int64_t b, int64_t hr, int64_t t) const {
     return ((b * heads_of(r) + hr) * s.seq + t) * width(r);
   }
 };
 
-// y[j] = packed[j] + bias[j]
+// y[j] = packed[j] in the accumulation type
 template <typename T, typename A>
-inline void load_biased(const T* __restrict src, const A* __restrict bias, A* __restrict y, int64_t n) {
-  if (bias != nullptr) {
-    for (int64_t j = 0; j < n; ++j) y[j] = static_cast<A>(src[j]) + bias[j];
-  } else {
-    for (int64_t j = 0; j < n; ++j) y[j] = static_cast<A>(src[j]);
-  }
+inline void load_row(const T* __restrict src, A* __restrict y, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] = static_cast<A>(src[j]);
 }
 
 template <typename A>
@@ -83,10 +80,12 @@ void forward_rows(const Call<T, A>& c, int64_t m0, int64_t m1) {
     for (int64_t h = 0; h < s.heads(); ++h) {
       const Role r = c.role(h);
       const int64_t n = c.width(r), off = c.offsets[h];
-      load_biased(row + off, c.bias ? c.bias + off : nullptr, y, n);
+      load_row(row + off, y, n);
       if (const A* w = c.norm(r)) {
         const A inv = rms_scale(y, n, c.eps);
         for (int64_t j = 0; j < n; ++j) y[j] = cpu::round_to<T>(y[j] * inv) * w[j];
+        if (c.norm_rounds(r))
+          for (int64_t j = 0; j < n; ++j) y[j] = cpu::round_to<T>(y[j]);
       }
       const A scale = r == kQ ? c.scale_q : A(1);
       T* dst = c.out[r] + c.head_row(r, b, c.index(h), t);
@@ -142,7 +141,7 @@ void backward_chunk(const Call<T, A>& c, int64_t chunk) {
       if (const A* w = c.norm(r)) {
         // n = round(y r) w:  dw += g round(y r);  du = g w;
         // dy = r du - r^3 y <du, y> / n
-        load_biased(c.packed + m * s.rows + off, c.bias ? c.bias + off : nullptr, y, n);
+        load_row(c.packed + m * s.rows + off, y, n);
         const A inv = rms_scale(y, n, c.eps);
         A* pw = part + (r == kQ ? 0 : s.d);
         A dot = 0;
@@ -190,11 +189,10 @@ Call<T, A> make_call(const Shape& s, const at::Tensor& offsets, const std::vecto
   Call<T, A> c{};
   c.s = s;
   c.offsets = offsets.data_ptr<int64_t>();
-  c.bias = ptr_or_null<A>(keep[0]);
-  c.qn = ptr_or_null<A>(keep[1]);
-  c.kn = ptr_or_null<A>(keep[2]);
-  c.cos = ptr_or_null<A>(keep[3]);
-  c.sin = ptr_or_null<A>(keep[4]);
+  c.qn = ptr_or_null<A>(keep[0]);
+  c.kn = ptr_or_null<A>(keep[1]);
+  c.cos = ptr_or_null<A>(keep[2]);
+  c.sin = ptr_or_null<A>(keep[3]);
   c.eps = static_cast<A>(norm_eps);
   c.scale_q = static_cast<A>(scale_q);
   return c;
@@ -213,15 +211,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> project_cpu(
                                      v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin);
   TORCH_CHECK(x.device().is_cpu(), "headwise.", op, ": x is on ", x.device(), " but the CPU backend takes CPU tensors");
   auto [q, k, v] = new_head_outputs(s, x, new_output);
-  const at::Tensor packed = packed_product(x, weight, s);
+  const at::Tensor packed = packed_product(x, weight, bias, s);
   const at::Tensor offsets = at::tensor(head_offsets.vec(), at::kLong);
   dispatch_cpu_dtype(x.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
     const auto acc = c10::CppTypeToScalarType<A>::value;
-    const std::vector<at::Tensor> keep{small(bias, acc), small(q_norm, acc), small(k_norm, acc),
-                                       small(rope_cos, acc), small(rope_sin, acc)};
+    const std::vector<at::Tensor> keep{small(q_norm, acc), small(k_norm, acc), small(rope_cos, acc),
+                                       small(rope_sin, acc)};
     Call<T, A> c = make_call<T, A>(s, offsets, keep, norm_eps, scale_q);
+    c.qn_rounds = norm_rounds(x, q_norm);
+    c.kn_rounds = norm_rounds(x, k_norm);
     c.packed = packed.data_ptr<T>();
     c.out[0] = q.data_ptr<T>();
     c.out[1] = k.data_ptr<T>();
@@ -254,9 +254,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> project_b
   dispatch_cpu_dtype(x.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
-    const std::vector<at::Tensor> keep{small(bias, acc), small(q_norm, acc), small(k_norm, acc),
-                                       small(rope_cos, acc), small(rope_sin, acc)};
+    const std::vector<at::Tensor> keep{small(q_norm, acc), small(k_norm, acc), small(rope_cos, acc),
+                                       small(rope_sin, acc)};
     Call<T, A> c = make_call<T, A>(s, offsets, keep, norm_eps, scale_q);
+    c.qn_rounds = norm_rounds(x, q_norm);
+    c.kn_rounds = norm_rounds(x, k_norm);
     c.packed = s.any_norm() ? pk.data_ptr<T>() : nullptr;
     c.grad[0] = gq.data_ptr<T>();
     c.grad[1] = gk.data_ptr<T>();

@@ -17,9 +17,10 @@
 // the next step if that ratio is missed.
 //
 // Math per token m = (b, t) and head (role r, index i), packed row y = P[m, off .. off+w)
-// (P the bias-free product, w = head_dim, or v_head_dim for V):
-//   y      += bias                                    (fp32)
-//   y       = round_T(y * rsqrt(mean(y^2) + eps)) * g (q and k with norm weights g)
+// (P = x W^T + bias from the library GEMM, rounded to T as F.linear rounds; w = head_dim,
+// or v_head_dim for V):
+//   y       = round_T(y * rsqrt(mean(y^2) + eps)) * g (q and k with norm weights g; the
+//             product is rounded to T again when g is stored in T, as weight * h rounds)
 //   y       = y * cos[t] + rotate_half(y) * sin[t]    (q and k with rope)
 //   y      *= scale_q                                 (q)
 //   out_r[b, i, t, :] = T(y)
@@ -52,12 +53,12 @@ constexpr int kMaxHeads = 512;
 
 struct Geometry {
   int32_t head_offsets[kMaxHeads];  // first packed row of each head (q, k, v heads)
-  const float* bias;            // [rows] or nullptr
   const float* q_norm;          // [d] or nullptr
   const float* k_norm;          // [d] or nullptr
   const float* cos;             // [S, d] or nullptr
   const float* sin;             // [S, d] or nullptr
   float scale_q, eps;
+  bool q_norm_rounds, k_norm_rounds;  // that norm weight is stored in T: round y * g to T
   int64_t tokens, seq, rows, hq, hkv, d, dv;
 };
 
@@ -94,9 +95,9 @@ __device__ __forceinline__ HeadInfo head_info(const Geometry& g, int64_t h) {
   return hi;
 }
 
-// Loads the lane's pairs of y = packed row + bias (zeros outside the head).
+// Loads the lane's pairs of the packed row (zeros outside the head).
 template <typename T, int ITEMS>
-__device__ __forceinline__ void load_pairs(const Geometry& g, const T* row, const HeadInfo& hi, int64_t half,
+__device__ __forceinline__ void load_pairs(const T* row, const HeadInfo& hi, int64_t half,
                                            float (&a)[ITEMS], float (&c)[ITEMS]) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -106,11 +107,7 @@ __device__ __forceinline__ void load_pairs(const Geometry& g, const T* row, cons
     c[i] = 0.f;
     if (p < half) {
       a[i] = static_cast<float>(row[hi.offset + p]);
-      if (g.bias != nullptr) a[i] += g.bias[hi.offset + p];
-      if (p + half < hi.width) {
-        c[i] = static_cast<float>(row[hi.offset + p + half]);
-        if (g.bias != nullptr) c[i] += g.bias[hi.offset + p + half];
-      }
+      if (p + half < hi.width) c[i] = static_cast<float>(row[hi.offset + p + half]);
     }
   }
 }
@@ -139,15 +136,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_fwd_kernel(c
       const HeadInfo hi = head_info(g, h);
       const int64_t half = (hi.width + 1) / 2;
       float a[ITEMS], c[ITEMS];
-      load_pairs<T, ITEMS>(g, row, hi, half, a, c);
+      load_pairs<T, ITEMS>(row, hi, half, a, c);
       if (hi.norm != nullptr) {
         const float r = rms_scale(a, c, hi.width, g.eps);
+        const bool rounds = hi.role == 0 ? g.q_norm_rounds : g.k_norm_rounds;
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
           const int64_t q = lane + 32 * i;
           if (q < half) {
             a[i] = hw::round_to<T>(a[i] * r) * hi.norm[q];
-            if (q + half < hi.width) c[i] = hw::round_to<T>(c[i] * r) * hi.norm[q + half];
+            if (rounds) a[i] = hw::round_to<T>(a[i]);
+            if (q + half < hi.width) {
+              c[i] = hw::round_to<T>(c[i] * r) * hi.norm[q + half];
+              if (rounds) c[i] = hw::round_to<T>(c[i]);
+            }
           }
         }
       }
@@ -212,7 +214,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_bwd_kernel(c
       if (hi.norm != nullptr) {
         const T* row = static_cast<const T*>(p.packed) + m * g.rows;
         float ya[ITEMS], yc[ITEMS];
-        load_pairs<T, ITEMS>(g, row, hi, half, ya, yc);
+        load_pairs<T, ITEMS>(row, hi, half, ya, yc);
         const float r = rms_scale(ya, yc, hi.width, g.eps);
         float dot = 0.f;
 #pragma unroll

@@ -37,10 +37,14 @@ inline bool on_backend_device(const at::Tensor& t) { return t.is_cuda(); }
 constexpr int64_t kMaxGrid = (int64_t{1} << 31) - 1;
 constexpr int64_t kBwdBlocks = 512;
 
+// The widest head the call writes (v heads only when there are kv heads: q_project
+// has none).
+inline int64_t widest_head(const Shape& s) { return s.hkv > 0 ? std::max(s.d, s.dv) : s.d; }
+
 // Calls f(std::integral_constant<int, ITEMS>{}) for the widest head of the call.
 template <typename F>
 void dispatch_items(const Shape& s, F&& f) {
-  const int64_t half = (std::max(s.d, s.dv) + 1) / 2;
+  const int64_t half = (widest_head(s) + 1) / 2;
   if (half <= 32) {
     f(std::integral_constant<int, 1>{});
   } else if (half <= 64) {
@@ -53,7 +57,7 @@ void dispatch_items(const Shape& s, F&& f) {
 inline void check_backend(const at::Tensor& x, const Shape& s, const char* op) {
   TORCH_CHECK(on_backend_device(x), "headwise.", op, ": x is on ", x.device(), " but ", kBackend);
   dispatch_storage_dtype(x.scalar_type(), op, "x", [](auto) {});
-  TORCH_CHECK_VALUE(std::max(s.d, s.dv) <= kMaxWidth, "headwise.", op, ": head widths up to ", kMaxWidth,
+  TORCH_CHECK_VALUE(widest_head(s) <= kMaxWidth, "headwise.", op, ": head widths up to ", kMaxWidth,
                     " are supported by the CUDA kernels, got head_dim ", s.d, ", v_head_dim ", s.dv);
   TORCH_CHECK_VALUE(s.heads() <= kMaxHeads, "headwise.", op, ": layout: at most ", kMaxHeads,
                     " heads (num_q_heads + 2 num_kv_heads) are supported by the CUDA kernels, got ", s.heads());
@@ -69,19 +73,20 @@ inline const float* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.da
 
 // The geometry; `keep` holds the fp32 copies of the small parameters alive until the
 // launch.
-inline Geometry make_geometry(const Shape& s, at::IntArrayRef head_offsets, const c10::optional<at::Tensor>& bias,
+inline Geometry make_geometry(const Shape& s, at::IntArrayRef head_offsets, const at::Tensor& x,
                               const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                               const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
                               double norm_eps, double scale_q,
                               std::vector<at::Tensor>& keep) {
-  keep = {small(bias), small(q_norm), small(k_norm), small(cos), small(sin)};
+  keep = {small(q_norm), small(k_norm), small(cos), small(sin)};
   Geometry g{};
   for (size_t h = 0; h < head_offsets.size(); ++h) g.head_offsets[h] = static_cast<int32_t>(head_offsets[h]);
-  g.bias = ptr_or_null(keep[0]);
-  g.q_norm = ptr_or_null(keep[1]);
-  g.k_norm = ptr_or_null(keep[2]);
-  g.cos = ptr_or_null(keep[3]);
-  g.sin = ptr_or_null(keep[4]);
+  g.q_norm = ptr_or_null(keep[0]);
+  g.k_norm = ptr_or_null(keep[1]);
+  g.cos = ptr_or_null(keep[2]);
+  g.sin = ptr_or_null(keep[3]);
+  g.q_norm_rounds = norm_rounds(x, q_norm);
+  g.k_norm_rounds = norm_rounds(x, k_norm);
   g.scale_q = static_cast<float>(scale_q);
   g.eps = static_cast<float>(norm_eps);
   g.tokens = s.tokens();
@@ -108,11 +113,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_ENTRY(project)
   check_backend(x, s, op);
   const at::OptionalDeviceGuard device_guard(x.device());
   auto [q, k, v] = new_head_outputs(s, x, new_output);
-  const at::Tensor packed = packed_product(x, weight, s);
+  const at::Tensor packed = packed_product(x, weight, bias, s);
   if (s.tokens() > 0) {
     std::vector<at::Tensor> keep;
     FwdParams p{};
-    p.g = make_geometry(s, head_offsets, bias, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
+    p.g = make_geometry(s, head_offsets, x, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
     p.packed = packed.data_ptr();
     p.out[0] = q.data_ptr();
     p.out[1] = k.data_ptr();
@@ -151,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_EN
     at::Tensor partial = new_output({blocks * kWarpsPerBlock, 2, s.d}, x.options().dtype(at::kFloat));
     std::vector<at::Tensor> keep;
     BwdParams p{};
-    p.g = make_geometry(s, head_offsets, bias, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
+    p.g = make_geometry(s, head_offsets, x, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
     p.packed = s.any_norm() ? pk.data_ptr() : nullptr;
     p.grad[0] = gq.data_ptr();
     p.grad[1] = gk.data_ptr();

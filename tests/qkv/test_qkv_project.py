@@ -109,6 +109,22 @@ def test_low_precision_close_to_reference(backend, dtype, layout, b, s, d_model)
     check_against_reference(backend, layout, b, s, d_model, dtype=dtype, tol=BF16_TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_rounding_points_match_the_reference(backend, dtype):
+    # Bias inside the GEMM (rounded once, as F.linear) and norm weights stored in the
+    # storage dtype (weight * h rounded, as Qwen3RMSNorm): without rope and q scale,
+    # whose elementwise products the reference rounds op by op, the outputs are
+    # bitwise the reference's.
+    layout = QKVLayout(4, 2, 16, 12)
+    args, kw = make_case(layout, 2, 5, 37, dtype=dtype, rope=False, device=backend.device)
+    kw["scale_q"] = None
+    kw["q_norm"], kw["k_norm"] = kw["q_norm"].to(dtype), kw["k_norm"].to(dtype)
+    got = backend.qkv_project(*args.values(), **kw)
+    want = reference.qkv_project(*args.values(), **kw)
+    for name, g, w in zip("qkv", got, want):
+        assert torch.equal(g, w), name
+
+
 def test_q_only_and_kv_only(backend):
     layout = QKVLayout(6, 2, 8, 6, interleave="kv_group")
     args, kw = make_case(layout, 2, 5, 37, device=backend.device)
