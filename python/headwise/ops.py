@@ -145,6 +145,18 @@ def _check_x(x, op):
         raise ValueError(f"headwise.{op}: x must be a 3-D tensor [B, S, D_model], got {got}")
 
 
+def _autocast_gemm_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """Autocast policy of the projection ops (qkv_project, q_project, kv_project): like
+    nn.Linear, inside an autocast region for x's device the GEMM operands (x, weight,
+    bias) are cast to the autocast dtype, so outputs come out in that dtype; the small
+    parameters (norm weights, rope tables) stay as given (fp32 is accepted)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 class Ops:
     """The public functions of headwise bound to one op library (``headwise`` or
     ``headwise_sim``); see :func:`headwise.testing.backend`."""
@@ -186,7 +198,6 @@ class Ops:
         out, _ = self._lib.mhar_route(sources, query, norm_weight, int(num_heads), n, float(eps), residual, gate)
         return out
 
-
     def qkv_project(
         self,
         x: torch.Tensor,
@@ -213,6 +224,7 @@ class Ops:
         _check_layout(layout, "qkv_project")
         _check_x(x, "qkv_project")
         cos, sin = _rope_args(rope, "qkv_project")
+        x, weight, bias = _autocast_gemm_inputs(x, weight, bias)
         q, k, v, _ = self._lib.qkv_project(
             x, weight, bias, list(layout.head_offsets()), layout.num_q_heads, layout.num_kv_heads,
             layout.head_dim, layout.v_head_dim, q_norm, k_norm, float(norm_eps), cos, sin,
@@ -238,6 +250,7 @@ class Ops:
         _check_layout(layout, "q_project")
         _check_x(x, "q_project")
         cos, sin = _rope_args(rope, "q_project")
+        x, weight, bias = _autocast_gemm_inputs(x, weight, bias)
         q, _, _, _ = self._lib.qkv_project(
             x, weight, bias, list(layout.head_offsets(("q",))), layout.num_q_heads, 0,
             layout.head_dim, layout.v_head_dim, q_norm, None, float(norm_eps), cos, sin,
@@ -262,6 +275,7 @@ class Ops:
         _check_layout(layout, "kv_project")
         _check_x(x, "kv_project")
         cos, sin = _rope_args(rope, "kv_project")
+        x, weight, bias = _autocast_gemm_inputs(x, weight, bias)
         _, k, v, _ = self._lib.qkv_project(
             x, weight, bias, list(layout.head_offsets(("k", "v"))), 0, layout.num_kv_heads,
             layout.head_dim, layout.v_head_dim, None, k_norm, float(norm_eps), cos, sin, 1.0,

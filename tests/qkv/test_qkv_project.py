@@ -395,3 +395,18 @@ class TestBadInput:
             pytest.skip("no CUDA device")
         with pytest.raises(RuntimeError, match="weight"):
             self.call(headwise.testing.backend("cuda"), x=self.args["x"].cuda())
+
+
+def test_autocast_policy_casts_the_gemm_operands(host_backend):
+    # Like nn.Linear: inside autocast the GEMM operands go to the autocast dtype; the
+    # fp32 norm weights and rope tables are used as given.
+    layout = QKVLayout(4, 2, 8)
+    args, kw = make_case(layout, 2, 5, 37)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = host_backend.qkv_project(*args.values(), **kw)
+        q_only = host_backend.q_project(args["x"], args["weight"][:32], args["bias"][:32], layout=layout,
+                                        q_norm=kw["q_norm"], rope=kw["rope"], scale_q=kw["scale_q"])
+    want = host_backend.qkv_project(*(t.bfloat16() for t in args.values()), **kw)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, w)
+    assert torch.equal(q_only, want[0])
