@@ -10,6 +10,8 @@ Environment switches (SPEC section 1):
   HEADWISE_CUDA_ARCHS     semicolon/comma list of SM versions, default "90" (sm_90 + PTX)
   HEADWISE_WERROR=1       treat warnings in headwise's sources as errors
   HEADWISE_PTXAS_VERBOSE=1  print ptxas register/spill reports
+  HEADWISE_SANITIZE=1     CPU kernels and emulator with -fsanitize=address,undefined (implies
+                          FORCE_CPU; run with libasan preloaded, see `make sanitize`)
   MAX_JOBS                parallel compile jobs (read by torch's ninja build)
 Without either FORCE switch, the CUDA kernels are built when nvcc is found and torch is
 a CUDA build.
@@ -72,7 +74,7 @@ from torch.utils.cpp_extension import (  # noqa: E402
 
 
 def _want_cuda() -> bool:
-    if _flag("HEADWISE_FORCE_CPU"):
+    if _flag("HEADWISE_FORCE_CPU") or _flag("HEADWISE_SANITIZE"):
         return False
     have = CUDA_HOME is not None and torch.version.cuda is not None
     if _flag("HEADWISE_FORCE_CUDA"):
@@ -130,6 +132,11 @@ def extensions():
     # is compiled with OpenMP (torch's OpenMP backend); without it, it runs serially.
     cxx = ["-O3", "-std=c++20", "-DHEADWISE_PYTHON_MODULE", "-fopenmp"] + system + warn
     openmp_link = ["-fopenmp"]
+    if _flag("HEADWISE_SANITIZE"):
+        # UB aborts (no recovery), so a sanitizer finding fails the test run.
+        sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
+        cxx = [f for f in cxx if f != "-O3"] + ["-O1", "-g"] + sanitize
+        openmp_link = openmp_link + sanitize
     cpu_sources = ["csrc/registration.cpp"] + _sources("*/*_cpu.cpp")
     # The emulated library: the emulator, its self-test kernels, and every *_sim.cpp.
     sim_sources = ["csrc/register_sim.cpp"] + _sources("common/simt/*.cpp", "*/*_sim.cpp")
