@@ -2,6 +2,8 @@
 #   make demo    set up .venv, build headwise, run the main job: python -m headwise.demo
 #   make bench   set up .venv, build headwise, run the benchmark suite (CPU: minutes)
 #   make test    set up .venv, build headwise, run the test suite
+#   make sanitize  the CPU kernels and the emulator built with ASan + UBSan (build-asan/),
+#                a test subset run with libasan preloaded (CI runs it after make test)
 # Setup: a virtualenv with torch $(TORCH_VERSION) and the requirements, then
 # `pip install --no-build-isolation .` (CUDA kernels when nvcc and a CUDA torch exist).
 PYTHON ?= python3
@@ -10,7 +12,7 @@ TORCH_VERSION ?= 2.14.1
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc python -type f \( -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' -o -name '*.py' \)) setup.py
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench sanitize install clean
 
 demo: $(VENV)/.installed
 	$(PY) -m headwise.demo --out demo_out
@@ -20,6 +22,18 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m headwise.bench mhar qkv --json bench_out.json --png bench_out.png
+
+# Sanitizer run: a separate CPU-only build into build-asan/ (the installed package is
+# untouched), imported from build-asan/pkg with libasan/libubsan preloaded into python.
+SANITIZE_TESTS ?= mhar/test_mhar_route.py qkv/test_qkv_project.py mhar/test_depth_buffer.py robustness/test_fuzz.py
+sanitize: $(VENV)/.deps
+	HEADWISE_SANITIZE=1 HEADWISE_FORCE_CUDA=0 $(PY) setup.py -q build_ext -b build-asan/lib -t build-asan/tmp
+	rm -rf build-asan/pkg && mkdir -p build-asan/pkg && cp -r python/headwise build-asan/pkg/
+	cp build-asan/lib/headwise/*.so build-asan/pkg/headwise/
+	cd tests && PYTHONPATH=../build-asan/pkg HEADWISE_FUZZ_EXAMPLES=5 \
+	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ../$(PY) -m pytest -q -x -p no:cacheprovider -k "not cuda and not gradcheck" $(SANITIZE_TESTS)
 
 install: $(VENV)/.installed
 
@@ -34,4 +48,4 @@ $(VENV)/.installed: $(VENV)/.deps $(SOURCES)
 	touch $@
 
 clean:
-	rm -rf build $(VENV) python/headwise/*.so python/*.egg-info
+	rm -rf build build-asan $(VENV) python/headwise/*.so python/*.egg-info
