@@ -1,5 +1,6 @@
 // The op library: schemas of torch.ops.headwise and the CPU implementations.
 // (CUDA implementations: register_cuda.cu.)
+#include "merge/merge_ops.h"
 #include "mhar/mhar_ops.h"
 #include "common/python_module.h"
 #include "schemas.h"
@@ -12,4 +13,6 @@ TORCH_LIBRARY_IMPL(headwise, CPU, m) {
   m.impl("mhar_route", &headwise::mhar::route_cpu);
   m.impl("mhar_route_backward", &headwise::mhar::route_backward_cpu);
   m.impl("mhar_route_backward_into", &headwise::mhar::route_backward_into_cpu);
+  m.impl("head_merge", &headwise::merge::head_merge_cpu);
+  m.impl("head_merge_backward", &headwise::merge::head_merge_backward_cpu);
 }

@@ -23,6 +23,18 @@ inline void define_schemas(torch::Library& m) {
       "Tensor weights, Tensor(a!) grad_sources, int num_heads, int num_sources, float eps, "
       "bool accumulate) -> (Tensor, Tensor)",
       tags);
+  // Head merge (SPEC section 3): out [B, Q, D]; z_norm, out_norm [B, Q, H] float32 when
+  // return_stats, else empty [0].
+  m.def(
+      "head_merge(Tensor z, Tensor weight_o, Tensor? bias, Tensor? head_gate, bool rescale, "
+      "bool return_stats) -> (Tensor, Tensor, Tensor)",
+      tags);
+  // -> (grad_z in z's strides, grad_weight_o, grad_bias [D] (empty [0] without bias_grad),
+  //     grad_head_gate in head_gate's shape and dtype (empty [0] without gate_grad))
+  m.def(
+      "head_merge_backward(Tensor grad_out, Tensor z, Tensor weight_o, Tensor? head_gate, "
+      "bool rescale, bool bias_grad, bool gate_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+      tags);
 }
 
 }  // namespace headwise
