@@ -154,6 +154,40 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
              ldw, A(0), gram.data() + h * Dv * Dv, Dv);
     });
   }
+  if (direct && !stats) {
+    // No tiles: per run of open heads, one GEMM over every row of the batch rows that
+    // share the run (all of them when the gate does not depend on b and the batch rows
+    // are evenly spaced), so that the BLAS threads one large product.
+    auto merge_rows = [&](int64_t b0, int64_t nb) {
+      A* y = reinterpret_cast<A*>(op + b0 * Q * D);
+      const int64_t rows = nb * Q;
+      bool first = true;
+      if (bp != nullptr) {
+        at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t n = 0; n < D; ++n) y[r * D + n] = static_cast<A>(bp[n]);
+        });
+        first = false;
+      }
+      for (const Run& run : open_runs(co, b0, H, /*split_alpha=*/true, false)) {
+        gemm(TransposeType::Transpose, TransposeType::NoTranspose, D, rows, (run.h1 - run.h0) * Dv,
+             static_cast<A>(run.alpha), w + run.h0 * Dv, ldw,
+             reinterpret_cast<const A*>(zp + b0 * sb) + run.h0 * Dv, ld_direct, first ? A(0) : A(1), y, D);
+        first = false;
+      }
+      if (first) std::fill(y, y + rows * D, A(0));
+    };
+    bool uniform = Q > 1 && sb == Q * sq;
+    for (int64_t b = 1; uniform && b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        if (co.alpha[b * H + h] != co.alpha[h] || co.g[b * H + h] != co.g[h]) uniform = false;
+    if (uniform || B == 1) {
+      merge_rows(0, B);
+    } else {
+      for (int64_t b = 0; b < B; ++b) merge_rows(b, 1);
+    }
+    return;
+  }
   float* zn = stats ? z_norm->data_ptr<float>() : nullptr;
   float* on = stats ? out_norm->data_ptr<float>() : nullptr;
 
@@ -243,8 +277,34 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
   const int64_t qtiles = (Q + kRows - 1) / kRows;
   std::vector<A> cpart(need_c ? static_cast<size_t>(B * qtiles * H) : 0, A(0));
 
+  const bool direct_dz = std::is_same_v<T, A> && !need_c && (H == 1 || gsh == Dv) && Q > 1 && gsq >= K;
+  if (direct_dz) {
+    // grad_z written by the GEMMs in place: per run of open heads with one alpha,
+    // grad_z[rows, run] = alpha * dy[rows, :] @ W_run over all rows of the batch rows that
+    // share the run; closed heads' columns are zero-filled.
+    auto dz_rows = [&](int64_t b0, int64_t nb) {
+      const int64_t rows = nb * Q;
+      A* gzb = reinterpret_cast<A*>(gz + b0 * gsb);
+      for (const Run& run : open_runs(co, b0, H, /*split_alpha=*/true, false))
+        gemm(TransposeType::NoTranspose, TransposeType::NoTranspose, (run.h1 - run.h0) * Dv, rows, D,
+             static_cast<A>(run.alpha), w + run.h0 * Dv, ldw, g + b0 * Q * D, D, A(0), gzb + run.h0 * Dv, gsq);
+      for (int64_t h = 0; h < H; ++h) {
+        if (co.g[b0 * H + h] != 0.0) continue;
+        for (int64_t r = 0; r < rows; ++r) std::fill(gzb + r * gsq + h * Dv, gzb + r * gsq + (h + 1) * Dv, A(0));
+      }
+    };
+    bool uniform = gsb == Q * gsq;
+    for (int64_t b = 1; uniform && b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        if (co.alpha[b * H + h] != co.alpha[h] || co.g[b * H + h] != co.g[h]) uniform = false;
+    if (uniform || B == 1) {
+      dz_rows(0, B);
+    } else {
+      for (int64_t b = 0; b < B; ++b) dz_rows(b, 1);
+    }
+  }
   // grad_z (and the gate's <Z, P> partials) per tile.
-  at::parallel_for(0, B * qtiles, 1, [&](int64_t t0, int64_t t1) {
+  if (!direct_dz) at::parallel_for(0, B * qtiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<A> p(static_cast<size_t>(kRows * K));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / qtiles, q0 = (t % qtiles) * kRows, rows = std::min(kRows, Q - q0);

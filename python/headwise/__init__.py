@@ -10,7 +10,7 @@ import torch  # noqa: F401  (the op libraries link against libtorch)
 from . import _C, _sim  # noqa: F401  (load torch.ops.headwise and torch.ops.headwise_sim)
 from . import models, nn, reference, testing
 from .depth_buffer import DepthBuffer
-from .ops import mhar_route
+from .ops import HeadMergeStats, head_merge, mhar_route
 
-__all__ = ["DepthBuffer", "mhar_route", "models", "nn", "reference", "testing"]
+__all__ = ["DepthBuffer", "HeadMergeStats", "head_merge", "mhar_route", "models", "nn", "reference", "testing"]
 __version__ = "0.1.0"
