@@ -67,12 +67,14 @@ inline void check_grad_out(const char* op, const at::Tensor& grad_out, const at:
   check_same_device(op, grad_out, "grad_out", z, "z");
 }
 
-// A fresh tensor in z's layout: z's own strides when z is non-overlapping and dense
-// (e.g. a transposed view of [B, Q, H, Dv] memory), else contiguous. The fake kernel in
-// ops.py follows the same rule.
+// A fresh tensor in z's layout: at::empty_like's preserve format, i.e. z's own strides
+// when z is non-overlapping and dense (e.g. a transposed view of [B, Q, H, Dv] memory),
+// else the suggested (contiguous) layout; the fake kernel in ops.py calls
+// torch.empty_like, the same rule. The kernels need a stride-1 last dim.
 inline at::Tensor empty_like_layout(const at::Tensor& z, const at::TensorOptions& options) {
-  if (z.is_non_overlapping_and_dense()) return at::empty_strided(z.sizes(), z.strides(), options);
-  return at::empty(z.sizes(), options);
+  at::Tensor t = at::empty_like(z, options);
+  if (t.size(-1) > 1 && t.stride(-1) != 1) t = at::empty(z.sizes(), options);
+  return t;
 }
 
 }  // namespace merge

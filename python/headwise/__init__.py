@@ -10,7 +10,26 @@ import torch  # noqa: F401  (the op libraries link against libtorch)
 from . import _C, _sim  # noqa: F401  (load torch.ops.headwise and torch.ops.headwise_sim)
 from . import models, nn, reference, testing
 from .depth_buffer import DepthBuffer
+from .head_scores import ahon_scores, circuit_scores, inactive_heads
+from .head_surgery import PermutedHeads, PrunedHeads, head_mask, permute_heads, prune_heads
 from .ops import HeadMergeStats, head_merge, mhar_route
 
-__all__ = ["DepthBuffer", "HeadMergeStats", "head_merge", "mhar_route", "models", "nn", "reference", "testing"]
+__all__ = [
+    "DepthBuffer",
+    "HeadMergeStats",
+    "PermutedHeads",
+    "PrunedHeads",
+    "ahon_scores",
+    "circuit_scores",
+    "head_mask",
+    "head_merge",
+    "inactive_heads",
+    "mhar_route",
+    "models",
+    "nn",
+    "permute_heads",
+    "prune_heads",
+    "reference",
+    "testing",
+]
 __version__ = "0.1.0"

@@ -34,11 +34,7 @@ class HeadMergeStats(NamedTuple):
 
 def _layout_like(z: torch.Tensor) -> torch.Tensor:
     """An empty tensor in z's layout: the rule of the kernels (csrc/merge/merge_args.h)."""
-    from torch._prims_common import is_non_overlapping_and_dense
-
-    if is_non_overlapping_and_dense(z):
-        return torch.empty_strided(z.shape, z.stride(), dtype=z.dtype, device=z.device)
-    return torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    return torch.empty_like(z)
 
 
 def _register_merge(ns: str) -> None:
