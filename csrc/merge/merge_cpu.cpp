@@ -38,23 +38,18 @@ namespace headwise {
 namespace merge {
 namespace {
 
-enum class TransposeType { NoTranspose, Transpose };
-
-// BLAS-style column-major GEMM, C = alpha op(A) op(B) + beta C (C is not read when beta
-// is 0), run by at::addmm_ on strided views of the buffers: no copies (every view is
-// row- or column-major), and the CPU BLAS (MKL/oneDNN/OpenBLAS) does the work.
-// (at::native::cpublas::gemm would be the direct call but is not exported by libtorch.)
+// Row-major GEMM on strided views, C[m, n] = alpha A[m, k] B[k, n] + beta C (C is not
+// read when beta is 0), with A(i, p) = a[i * as0 + p * as1], B(p, j) = b[p * bs0 + j * bs1]
+// and C(i, j) = c[i * ldc + j]. Run by at::addmm_ on views of the buffers (no copies), so
+// the CPU BLAS (MKL/oneDNN/OpenBLAS) does the work. (at::native::cpublas::gemm would be
+// the direct call but is not exported by libtorch.) The operand orientations used below
+// are those of an eager nn.Linear forward/backward, which the BLAS runs fastest.
 template <typename A>
-void gemm(TransposeType transa, TransposeType transb, int64_t m, int64_t n, int64_t k, A alpha, const A* a,
-          int64_t lda, const A* b, int64_t ldb, A beta, A* c, int64_t ldc) {
+void gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t as0, int64_t as1, const A* b, int64_t bs0,
+          int64_t bs1, A beta, A* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
   const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value).device(at::kCPU);
-  auto view = [&](const A* p, int64_t rows, int64_t cols, int64_t ld, bool trans) {
-    // op(X) as a [rows, cols] tensor of the column-major matrix X with leading dim ld.
-    return trans ? at::from_blob(const_cast<A*>(p), {rows, cols}, {ld, 1}, opts)
-                 : at::from_blob(const_cast<A*>(p), {rows, cols}, {1, ld}, opts);
-  };
-  at::Tensor ct = at::from_blob(c, {m, n}, {1, ldc}, opts);
+  at::Tensor ct = at::from_blob(c, {m, n}, {ldc, 1}, opts);
   if (k == 0) {
     if (beta == A(0)) {
       ct.zero_();
@@ -63,12 +58,12 @@ void gemm(TransposeType transa, TransposeType transb, int64_t m, int64_t n, int6
     }
     return;
   }
-  const at::Tensor at_ = view(a, m, k, lda, transa == TransposeType::Transpose);
-  const at::Tensor bt = view(b, k, n, ldb, transb == TransposeType::Transpose);
+  const at::Tensor at_ = at::from_blob(const_cast<A*>(a), {m, k}, {as0, as1}, opts);
+  const at::Tensor bt = at::from_blob(const_cast<A*>(b), {k, n}, {bs0, bs1}, opts);
   ct.addmm_(at_, bt, beta, alpha);
 }
 
-constexpr int64_t kRows = 64;  // query rows per tile
+constexpr int64_t kRows = 256;  // query rows per tile (large GEMMs: BLAS efficiency)
 
 // Per batch row: s[b] and alpha[b,h] = s[b] g[b,h] (g = 1 without a gate), and the
 // derivative ds/dS of the rescale (0 where the clip is active or without rescale).
@@ -150,8 +145,7 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
     gram.resize(static_cast<size_t>(H * Dv * Dv));
     at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
       for (int64_t h = h0; h < h1; ++h)
-        gemm(TransposeType::NoTranspose, TransposeType::Transpose, Dv, Dv, D, A(1), w + h * Dv, ldw, w + h * Dv,
-             ldw, A(0), gram.data() + h * Dv * Dv, Dv);
+        gemm(Dv, Dv, D, A(1), w + h * Dv, 1, ldw, w + h * Dv, ldw, 1, A(0), gram.data() + h * Dv * Dv, Dv);
     });
   }
   if (direct && !stats) {
@@ -170,9 +164,9 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
         first = false;
       }
       for (const Run& run : open_runs(co, b0, H, /*split_alpha=*/true, false)) {
-        gemm(TransposeType::Transpose, TransposeType::NoTranspose, D, rows, (run.h1 - run.h0) * Dv,
-             static_cast<A>(run.alpha), w + run.h0 * Dv, ldw,
-             reinterpret_cast<const A*>(zp + b0 * sb) + run.h0 * Dv, ld_direct, first ? A(0) : A(1), y, D);
+        gemm(rows, D, (run.h1 - run.h0) * Dv, static_cast<A>(run.alpha),
+             reinterpret_cast<const A*>(zp + b0 * sb) + run.h0 * Dv, ld_direct, 1, w + run.h0 * Dv, 1, ldw,
+             first ? A(0) : A(1), y, D);
         first = false;
       }
       if (first) std::fill(y, y + rows * D, A(0));
@@ -223,8 +217,7 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
             for (int64_t r = 0; r < rows; ++r) zn[base + r * H] = on[base + r * H] = 0.f;
             continue;
           }
-          gemm(TransposeType::NoTranspose, TransposeType::NoTranspose, Dv, rows, Dv, A(1),
-               gram.data() + h * Dv * Dv, Dv, zt + h * Dv, ldz, A(0), tmp.data(), Dv);
+          gemm(rows, Dv, Dv, A(1), zt + h * Dv, ldz, 1, gram.data() + h * Dv * Dv, Dv, 1, A(0), tmp.data(), Dv);
           for (int64_t r = 0; r < rows; ++r) {
             const A* zr = zt + r * ldz + h * Dv;
             const A* tr = tmp.data() + r * Dv;
@@ -242,8 +235,8 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
       A* y = std::is_same_v<T, A> ? reinterpret_cast<A*>(op + (b * Q + q0) * D) : ys.data();
       bool first = true;
       for (const Run& run : runs) {
-        gemm(TransposeType::Transpose, TransposeType::NoTranspose, D, rows, (run.h1 - run.h0) * Dv,
-             static_cast<A>(run.alpha), w + run.h0 * Dv, ldw, zt + run.h0 * Dv, ldz, first ? A(0) : A(1), y, D);
+        gemm(rows, D, (run.h1 - run.h0) * Dv, static_cast<A>(run.alpha), zt + run.h0 * Dv, ldz, 1, w + run.h0 * Dv, 1,
+             ldw, first ? A(0) : A(1), y, D);
         first = false;
       }
       if (first) std::fill(y, y + rows * D, A(0));
@@ -286,8 +279,8 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
       const int64_t rows = nb * Q;
       A* gzb = reinterpret_cast<A*>(gz + b0 * gsb);
       for (const Run& run : open_runs(co, b0, H, /*split_alpha=*/true, false))
-        gemm(TransposeType::NoTranspose, TransposeType::NoTranspose, (run.h1 - run.h0) * Dv, rows, D,
-             static_cast<A>(run.alpha), w + run.h0 * Dv, ldw, g + b0 * Q * D, D, A(0), gzb + run.h0 * Dv, gsq);
+        gemm(rows, (run.h1 - run.h0) * Dv, D, static_cast<A>(run.alpha), g + b0 * Q * D, D, 1, w + run.h0 * Dv, ldw,
+             1, A(0), gzb + run.h0 * Dv, gsq);
       for (int64_t h = 0; h < H; ++h) {
         if (co.g[b0 * H + h] != 0.0) continue;
         for (int64_t r = 0; r < rows; ++r) std::fill(gzb + r * gsq + h * Dv, gzb + r * gsq + (h + 1) * Dv, A(0));
@@ -310,8 +303,7 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
       const int64_t b = t / qtiles, q0 = (t % qtiles) * kRows, rows = std::min(kRows, Q - q0);
       const A* gt = g + (b * Q + q0) * D;
       for (const Run& run : open_runs(co, b, H, false, need_c))
-        gemm(TransposeType::NoTranspose, TransposeType::NoTranspose, (run.h1 - run.h0) * Dv, rows, D, A(1),
-             w + run.h0 * Dv, ldw, gt, D, A(0), p.data() + run.h0 * Dv, K);
+        gemm(rows, (run.h1 - run.h0) * Dv, D, A(1), gt, D, 1, w + run.h0 * Dv, ldw, 1, A(0), p.data() + run.h0 * Dv, K);
       for (int64_t h = 0; h < H; ++h) {
         const bool open = co.g[b * H + h] != 0.0;
         const A alpha = static_cast<A>(co.alpha[b * H + h]);
@@ -340,34 +332,54 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
         for (int64_t h = 0; h < H; ++h) (*cgate)[b * H + h] += static_cast<double>(cpart[(b * qtiles + t) * H + h]);
   }
 
-  // grad_weight_o[:, h*Dv:(h+1)*Dv] = sum_b alpha[b,h] grad_out_b^T Z_bh, heads in parallel.
+  // grad_weight_o = grad_out^T [D, B*Q] @ Zs [B*Q, K] with Zs[(b, q), h] = alpha[b,h] Z[b,h,q]:
+  // one GEMM per run of heads open in some batch row (the orientation of nn.Linear's weight
+  // gradient); Zs is z itself when z is that matrix in place and alpha == 1, else a scaled
+  // copy (what eager autograd saves from its forward anyway).
   A* gw = grad_w.data_ptr<A>();
-  const bool direct = std::is_same_v<T, A> && (Q == 1 || sq >= Dv);
-  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<A> zs(direct ? 0 : static_cast<size_t>(Q * Dv));
-    for (int64_t h = h0; h < h1; ++h) {
-      bool first = true;
-      for (int64_t b = 0; b < B; ++b) {
-        if (co.g[b * H + h] == 0.0 || Q == 0) continue;
-        const A* zb;
-        int64_t ldz;
-        if (direct) {
-          zb = reinterpret_cast<const A*>(zp + b * sb + h * shh);
-          ldz = Q == 1 ? Dv : sq;
-        } else {
-          for (int64_t q = 0; q < Q; ++q)
-            for (int64_t j = 0; j < Dv; ++j) zs[q * Dv + j] = static_cast<A>(zp[b * sb + h * shh + q * sq + j]);
-          zb = zs.data();
-          ldz = Dv;
+  const int64_t rows_all = B * Q;
+  const bool direct_w = std::is_same_v<T, A> && co.all_one && (H == 1 || shh == Dv) && (B == 1 || sb == Q * sq) &&
+                        (rows_all <= 1 || sq >= K) && (B == 1 || Q > 1);
+  std::vector<A> zbuf;
+  const A* zs;
+  int64_t ldzs;
+  if (direct_w) {
+    zs = reinterpret_cast<const A*>(zp);
+    ldzs = rows_all <= 1 ? K : sq;
+  } else {
+    zbuf.resize(static_cast<size_t>(rows_all * K));
+    at::parallel_for(0, rows_all, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = r / Q, q = r % Q;
+        for (int64_t h = 0; h < H; ++h) {
+          A* dst = zbuf.data() + r * K + h * Dv;
+          if (co.g[b * H + h] == 0.0) {
+            std::fill(dst, dst + Dv, A(0));
+            continue;
+          }
+          const A a = static_cast<A>(co.alpha[b * H + h]);
+          const T* src = zp + b * sb + h * shh + q * sq;
+          for (int64_t j = 0; j < Dv; ++j) dst[j] = a * static_cast<A>(src[j]);
         }
-        gemm(TransposeType::NoTranspose, TransposeType::Transpose, Dv, D, Q, static_cast<A>(co.alpha[b * H + h]),
-             zb, ldz, g + b * Q * D, D, first ? A(0) : A(1), gw + h * Dv, K);
-        first = false;
       }
-      if (first)
-        for (int64_t n = 0; n < D; ++n) std::fill(gw + n * K + h * Dv, gw + n * K + (h + 1) * Dv, A(0));
+    });
+    zs = zbuf.data();
+    ldzs = K;
+  }
+  std::vector<Run> wruns;
+  for (int64_t h = 0; h < H; ++h) {
+    bool any_open = false;
+    for (int64_t b = 0; b < B; ++b) any_open = any_open || co.g[b * H + h] != 0.0;
+    if (!any_open) {
+      for (int64_t n = 0; n < D; ++n) std::fill(gw + n * K + h * Dv, gw + n * K + (h + 1) * Dv, A(0));
+    } else if (!wruns.empty() && wruns.back().h1 == h) {
+      wruns.back().h1 = h + 1;
+    } else {
+      wruns.push_back({h, h + 1, 1.0});
     }
-  });
+  }
+  for (const Run& run : wruns)
+    gemm(D, (run.h1 - run.h0) * Dv, rows_all, A(1), g, 1, D, zs + run.h0 * Dv, ldzs, 1, A(0), gw + run.h0 * Dv, K);
 
   if (grad_b != nullptr) {
     A* gb = grad_b->data_ptr<A>();

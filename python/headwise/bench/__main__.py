@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from . import mhar, model
+from . import merge, mhar, model
 
-BENCHMARKS = {"mhar": mhar.run, "model": model.run}
+BENCHMARKS = {"mhar": mhar.run, "merge": merge.run, "model": model.run}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
