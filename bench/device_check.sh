@@ -49,6 +49,7 @@ done
 
 stage "GPU benchmarks"
 timeout 180 $PY -m headwise.bench mhar --device cuda --json "$OUT_DIR/bench_mhar.json" || fail bench
+timeout 120 $PY -m headwise.bench merge --device cuda --json "$OUT_DIR/bench_merge.json" || fail "bench merge"
 
 stage "done (status $status)"
 exit $status

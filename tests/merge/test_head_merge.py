@@ -387,3 +387,21 @@ class TestBadInput:
             pytest.skip("no CUDA device")
         with pytest.raises(RuntimeError, match="weight_o"):
             self.call(headwise.testing.backend("cuda"), z=self.z.cuda())
+
+
+@pytest.mark.parametrize("layout", ["bhqd", "bqhd_view"])
+def test_several_cpu_tiles(layout):
+    """Q beyond one CPU tile (256 rows), batch rows with different gates, every grad."""
+    b, h, q, dv, d = 2, 3, 300, 8, 20
+    z = make_z(b, h, q, dv, layout)
+    w, bias = make_params(h, dv, d)
+    for gate_kind, stats in [("soft", True), ("row_hard", False), (None, True)]:
+        gate = make_gate(gate_kind, b, h)
+        (out, st, grads, _), (eout, est, egrads, _) = run_both(headwise.testing.backend("cpu"), z, w, bias, gate,
+                                                               True, stats=stats)
+        assert rel_err(out, eout) <= FP32_TOL
+        if stats:
+            assert rel_err(st.out_norm, est.out_norm) <= 1e-4
+        for k in grads:
+            if egrads[k] is not None:
+                assert rel_err(grads[k], egrads[k]) <= FP32_TOL, k
