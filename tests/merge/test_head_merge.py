@@ -405,3 +405,17 @@ def test_several_cpu_tiles(layout):
         for k in grads:
             if egrads[k] is not None:
                 assert rel_err(grads[k], egrads[k]) <= FP32_TOL, k
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 0, 4, 5), (0, 3, 2, 4, 5), (1, 1, 1, 1, 1), (3, 1, 2, 5, 1)],
+                         ids=["Q0", "B0", "all1", "D1-H1"])
+def test_degenerate_shapes(backend, shape):
+    b, h, q, dv, d = shape
+    z = torch.randn(b, h, q, dv).to(backend.device)
+    w, bias = make_params(h, dv, d)
+    gate = torch.rand(h) + 0.2
+    (out, st, grads, _), (eout, est, egrads, _) = run_both(backend, z, w, bias, gate, True)
+    assert out.shape == eout.shape and st.z_norm.shape == (b, q, h)
+    torch.testing.assert_close(out, eout, rtol=1e-5, atol=1e-5)
+    for k in grads:
+        torch.testing.assert_close(grads[k], egrads[k], rtol=1e-5, atol=1e-5)
