@@ -189,7 +189,7 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
   at::parallel_for(0, B * qtiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<A> zs(direct ? 0 : static_cast<size_t>(kRows * K));
     std::vector<A> ys(std::is_same_v<T, A> ? 0 : static_cast<size_t>(kRows * D));
-    std::vector<A> tmp(stats ? static_cast<size_t>(kRows * Dv) : 0);
+    std::vector<A> tmp(stats ? static_cast<size_t>(H * kRows * Dv) : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / qtiles, q0 = (t % qtiles) * kRows, rows = std::min(kRows, Q - q0);
       const std::vector<Run> runs = open_runs(co, b, H, /*split_alpha=*/true, false);
@@ -211,20 +211,46 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
         ldz = K;
       }
       if (stats) {
+        // tmp[h, r, :] = G_h z[r, h]: one batched GEMM over heads when every head of the
+        // row is open (closed heads' Z must not be read), else one GEMM per open head.
+        bool all_open = true;
+        for (int64_t h = 0; h < H; ++h) all_open = all_open && co.g[b * H + h] != 0.0;
+        if (all_open && H > 1) {
+          const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value).device(at::kCPU);
+          at::Tensor tv = at::from_blob(tmp.data(), {H, rows, Dv}, {rows * Dv, Dv, 1}, opts);
+          at::bmm_out(tv, at::from_blob(const_cast<A*>(zt), {H, rows, Dv}, {Dv, ldz, 1}, opts),
+                      at::from_blob(gram.data(), {H, Dv, Dv}, {Dv * Dv, Dv, 1}, opts));
+        } else {
+          for (int64_t h = 0; h < H; ++h)
+            if (co.g[b * H + h] != 0.0)
+              gemm(rows, Dv, Dv, A(1), zt + h * Dv, ldz, 1, gram.data() + h * Dv * Dv, Dv, 1, A(0),
+                   tmp.data() + h * rows * Dv, Dv);
+        }
         for (int64_t h = 0; h < H; ++h) {
           const int64_t base = (b * Q + q0) * H + h;
           if (co.g[b * H + h] == 0.0) {
             for (int64_t r = 0; r < rows; ++r) zn[base + r * H] = on[base + r * H] = 0.f;
             continue;
           }
-          gemm(rows, Dv, Dv, A(1), zt + h * Dv, ldz, 1, gram.data() + h * Dv * Dv, Dv, 1, A(0), tmp.data(), Dv);
           for (int64_t r = 0; r < rows; ++r) {
             const A* zr = zt + r * ldz + h * Dv;
-            const A* tr = tmp.data() + r * Dv;
+            const A* tr = tmp.data() + (h * rows + r) * Dv;
+            // Eight independent partial sums (vectorizable), then added in a fixed order.
+            A zz8[8] = {}, zg8[8] = {};
+            int64_t j = 0;
+            for (; j + 8 <= Dv; j += 8)
+              for (int l = 0; l < 8; ++l) {
+                zz8[l] += zr[j + l] * zr[j + l];
+                zg8[l] += zr[j + l] * tr[j + l];
+              }
+            for (; j < Dv; ++j) {
+              zz8[0] += zr[j] * zr[j];
+              zg8[0] += zr[j] * tr[j];
+            }
             A zz = 0, zgz = 0;
-            for (int64_t j = 0; j < Dv; ++j) {
-              zz += zr[j] * zr[j];
-              zgz += zr[j] * tr[j];
+            for (int l = 0; l < 8; ++l) {
+              zz += zz8[l];
+              zgz += zg8[l];
             }
             zn[base + r * H] = static_cast<float>(std::sqrt(zz));
             on[base + r * H] = static_cast<float>(std::sqrt(std::max(zgz, A(0))));
