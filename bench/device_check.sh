@@ -50,6 +50,7 @@ done
 stage "GPU benchmarks"
 timeout 180 $PY -m headwise.bench mhar --device cuda --json "$OUT_DIR/bench_mhar.json" || fail bench
 timeout 90 $PY -m headwise.bench qkv --device cuda --json "$OUT_DIR/bench_qkv.json" || fail "bench qkv"
+timeout 120 $PY -m headwise.bench merge --device cuda --json "$OUT_DIR/bench_merge.json" || fail "bench merge"
 
 stage "done (status $status)"
 exit $status

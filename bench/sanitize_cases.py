@@ -15,6 +15,9 @@ QKV_CASES = [
     (headwise.QKVLayout(2, 1, 256, 131), 1, 3, 37, True),
 ]
 
+# (B, H, Q, Dv, D) for head_merge.
+MERGE_CASES = [(2, 3, 37, 8, 70), (1, 5, 3, 67, 9), (2, 2, 33, 64, 65)]
+
 
 def main():
     torch.manual_seed(0)
@@ -43,6 +46,20 @@ def main():
                 tables = (ang.cos(), ang.sin())
             q, k, v = headwise.qkv_project(x, w, bias, layout=layout, q_norm=qn, k_norm=kn, rope=tables, scale_q=0.5)
             (q.float().sum() + k.float().square().sum() + v.float().sum()).backward()
+    # Head merge: odd shapes beyond one tile, both z layouts, gates (closed heads skipped,
+    # gate gradient through closed heads), rescale, stats.
+    for b, h, q, dv, d in MERGE_CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            z = torch.randn(b, q, h, dv, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+            w = torch.randn(d, h * dv, device="cuda", dtype=dtype, requires_grad=True)
+            bias = torch.randn(d, device="cuda", dtype=dtype, requires_grad=True)
+            gate = torch.rand(b, h, device="cuda")
+            gate[0, 0] = 0
+            gate.requires_grad_()
+            out, _ = headwise.head_merge(z, w, bias, head_gate=gate, rescale=True, return_stats=True)
+            out.float().sum().backward()
+            out = headwise.head_merge(torch.randn(b, h, q, dv, device="cuda", dtype=dtype), w, None,
+                                      head_gate=(gate.detach() > 0.5).float())
     torch.cuda.synchronize()
     print("sanitize_cases: ok")
 

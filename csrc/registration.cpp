@@ -1,5 +1,6 @@
 // The op library: schemas of torch.ops.headwise and the CPU implementations.
 // (CUDA implementations: register_cuda.cu.)
+#include "merge/merge_ops.h"
 #include "mhar/mhar_ops.h"
 #include "qkv/qkv_ops.h"
 #include "common/python_module.h"
@@ -15,4 +16,6 @@ TORCH_LIBRARY_IMPL(headwise, CPU, m) {
   m.impl("mhar_route_backward_into", &headwise::mhar::route_backward_into_cpu);
   m.impl("qkv_project", &headwise::qkv::project_cpu);
   m.impl("qkv_project_backward", &headwise::qkv::project_backward_cpu);
+  m.impl("head_merge", &headwise::merge::head_merge_cpu);
+  m.impl("head_merge_backward", &headwise::merge::head_merge_backward_cpu);
 }

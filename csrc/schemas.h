@@ -26,7 +26,7 @@ inline void define_schemas(torch::Library& m) {
   // Fused QKV projection (SPEC section 2). head_offsets: first packed row of every head
   // (num_q_heads q heads, then num_kv_heads k heads, then num_kv_heads v heads), derived
   // by headwise.QKVLayout; either head count may be 0 (q_project / kv_project).
-  // Returns head-major q, k, v and `packed`, the bias-free GEMM product [B*S, N_total]
+  // Returns head-major q, k, v and `packed`, the GEMM product x W^T + bias [B*S, N_total]
   // kept for the backward when a norm is applied (a 0-element tensor otherwise).
   m.def(
       "qkv_project(Tensor x, Tensor weight, Tensor? bias, int[] head_offsets, int num_q_heads, "
@@ -40,6 +40,18 @@ inline void define_schemas(torch::Library& m) {
       "Tensor? bias, Tensor packed, int[] head_offsets, int num_q_heads, int num_kv_heads, int head_dim, "
       "int v_head_dim, Tensor? q_norm, Tensor? k_norm, float norm_eps, Tensor? rope_cos, Tensor? rope_sin, "
       "float scale_q) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      tags);
+  // Head merge (SPEC section 3): out [B, Q, D]; z_norm, out_norm [B, Q, H] float32 when
+  // return_stats, else empty [0].
+  m.def(
+      "head_merge(Tensor z, Tensor weight_o, Tensor? bias, Tensor? head_gate, bool rescale, "
+      "bool return_stats) -> (Tensor, Tensor, Tensor)",
+      tags);
+  // -> (grad_z in z's strides, grad_weight_o, grad_bias [D] (empty [0] without bias_grad),
+  //     grad_head_gate in head_gate's shape and dtype (empty [0] without gate_grad))
+  m.def(
+      "head_merge_backward(Tensor grad_out, Tensor z, Tensor weight_o, Tensor? head_gate, "
+      "bool rescale, bool bias_grad, bool gate_grad) -> (Tensor, Tensor, Tensor, Tensor)",
       tags);
 }
 

@@ -10,19 +10,31 @@ import torch  # noqa: F401  (the op libraries link against libtorch)
 from . import _C, _sim  # noqa: F401  (load torch.ops.headwise and torch.ops.headwise_sim)
 from . import models, nn, reference, testing
 from .depth_buffer import DepthBuffer
-from .ops import kv_project, mhar_route, q_project, qkv_project
+from .head_scores import ahon_scores, circuit_scores, inactive_heads
+from .head_surgery import PermutedHeads, PrunedHeads, head_mask, permute_heads, prune_heads
+from .ops import HeadMergeStats, head_merge, kv_project, mhar_route, q_project, qkv_project
 from .qkv_layout import QKVLayout, QKVManifest, from_hf_attention, from_multihead_attention
 
 __all__ = [
     "DepthBuffer",
+    "HeadMergeStats",
+    "PermutedHeads",
+    "PrunedHeads",
     "QKVLayout",
     "QKVManifest",
+    "ahon_scores",
+    "circuit_scores",
     "from_hf_attention",
     "from_multihead_attention",
+    "head_mask",
+    "head_merge",
+    "inactive_heads",
     "kv_project",
     "mhar_route",
     "models",
     "nn",
+    "permute_heads",
+    "prune_heads",
     "q_project",
     "qkv_project",
     "reference",

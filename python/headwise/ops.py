@@ -8,7 +8,7 @@ functions use ``headwise``.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -18,6 +18,70 @@ LIBRARIES = ("headwise", "headwise_sim")
 def weights_dtype(sources: torch.Tensor) -> torch.dtype:
     """dtype of the routing weights (and of a DepthBuffer's gradient accumulator)."""
     return torch.float64 if sources.dtype == torch.float64 else torch.float32
+
+
+class HeadMergeStats(NamedTuple):
+    """Per-head statistics of :func:`head_merge` (``return_stats=True``), float32
+    ``[B, Q, H]`` each, from the merge's own pass. ``z_norm``: the row L2 norm of the
+    pre-projection head output ``Z[b,h,q,:]`` (the AHON score's input); ``out_norm``: the
+    row L2 norm of its projected contribution ``Z[b,h,q,:] @ W_O(h)^T`` (the circuit-based
+    score's input). Both are ungated (neither the gate nor the rescale is applied) and 0
+    for a head whose gate is exactly 0 for that batch row."""
+
+    z_norm: torch.Tensor
+    out_norm: torch.Tensor
+
+
+def _layout_like(z: torch.Tensor) -> torch.Tensor:
+    """An empty tensor in z's layout: the rule of the kernels (csrc/merge/merge_args.h)."""
+    return torch.empty_like(z)
+
+
+def _register_merge(ns: str) -> None:
+    merge = f"{ns}::head_merge"
+
+    @torch.library.register_fake(merge)
+    def _(z, weight_o, bias, head_gate, rescale, return_stats):
+        b, h, q, dv = z.shape
+        out = z.new_empty((b, q, weight_o.shape[0]))
+        stats_shape = (b, q, h) if return_stats else (0,)
+        return out, z.new_empty(stats_shape, dtype=torch.float32), z.new_empty(stats_shape, dtype=torch.float32)
+
+    @torch.library.register_fake(f"{ns}::head_merge_backward")
+    def _(grad_out, z, weight_o, head_gate, rescale, bias_grad, gate_grad):
+        grad_bias = z.new_empty((weight_o.shape[0],) if bias_grad else (0,))
+        if gate_grad and head_gate is not None:
+            grad_gate = head_gate.new_empty(head_gate.shape)
+        else:
+            grad_gate = z.new_empty((0,))
+        return _layout_like(z), weight_o.new_empty(weight_o.shape), grad_bias, grad_gate
+
+    def setup_context(ctx, inputs, output):
+        z, weight_o, bias, head_gate, rescale, return_stats = inputs
+        ctx.save_for_backward(z, weight_o, head_gate)
+        ctx.rescale = rescale
+        ctx.has_bias = bias is not None
+        _, z_norm, out_norm = output
+        ctx.mark_non_differentiable(z_norm, out_norm)
+
+    def backward(ctx, grad_out, _grad_z_norm, _grad_out_norm):
+        z, weight_o, head_gate = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        bias_grad = ctx.has_bias and need[2]
+        gate_grad = head_gate is not None and need[3]
+        grad_z, grad_w, grad_b, grad_g = getattr(torch.ops, ns).head_merge_backward(
+            grad_out.to(z.dtype).contiguous(), z, weight_o, head_gate, ctx.rescale, bias_grad, gate_grad
+        )
+        return (
+            grad_z if need[0] else None,
+            grad_w if need[1] else None,
+            grad_b if bias_grad else None,
+            grad_g if gate_grad else None,
+            None,
+            None,
+        )
+
+    torch.library.register_autograd(merge, backward, setup_context=setup_context)
 
 
 def _register(ns: str) -> None:
@@ -281,14 +345,44 @@ class Ops:
             layout.head_dim, layout.v_head_dim, None, k_norm, float(norm_eps), cos, sin, 1.0,
         )
         return k, v
+    def head_merge(
+        self,
+        z: torch.Tensor,
+        weight_o: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        *,
+        head_gate: Optional[torch.Tensor] = None,
+        rescale: bool = False,
+        return_stats: bool = False,
+    ):
+        """Head merge with the W_O block sum (SPEC section 3).
+
+        ``z [B, H, Q, Dv]`` with any strides whose last dim is stride-1 (a transposed view
+        of ``[B, Q, H, Dv]`` memory is read in place, never copied); ``weight_o [D, H*Dv]``
+        (nn.Linear orientation: head h owns input columns ``[h*Dv, (h+1)*Dv)``);
+        ``bias [D]``; ``head_gate`` ``[H]`` or ``[B, H]`` (float32 or z's dtype).
+
+        Returns ``y [B, Q, D] = s[b] * sum_h g[b,h] Z[b,h] @ W_h^T + bias`` in z's dtype,
+        with ``s[b] = min(H, H / sum_h g[b,h])`` when ``rescale`` (an all-closed row gives
+        the bias alone) and 1 otherwise. A gate of exactly 0 skips that head's work for
+        that batch row. Gradients flow to z (in z's layout), weight_o, bias and head_gate
+        (non-binary gates are differentiable, through s as well). With
+        ``return_stats=True`` returns ``(y, HeadMergeStats(z_norm, out_norm))``.
+        """
+        out, z_norm, out_norm = self._lib.head_merge(z, weight_o, bias, head_gate, bool(rescale), bool(return_stats))
+        if return_stats:
+            return out, HeadMergeStats(z_norm, out_norm)
+        return out
 
 
 for _ns in LIBRARIES:
     _register(_ns)
     _register_qkv(_ns)
+    _register_merge(_ns)
 
 DEFAULT_OPS = Ops("headwise")  # what modules use when no backend is given
 mhar_route = DEFAULT_OPS.mhar_route
 qkv_project = DEFAULT_OPS.qkv_project
 q_project = DEFAULT_OPS.q_project
 kv_project = DEFAULT_OPS.kv_project
+head_merge = DEFAULT_OPS.head_merge

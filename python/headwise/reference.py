@@ -11,7 +11,18 @@ from typing import Optional
 
 import torch
 
-__all__ = ["mhar_route", "mhar_route_weights", "qkv_project", "q_project", "kv_project", "rms_norm_heads", "apply_rope"]
+__all__ = [
+    "apply_rope",
+    "head_merge",
+    "head_merge_coefficients",
+    "head_merge_stats",
+    "kv_project",
+    "mhar_route",
+    "mhar_route_weights",
+    "q_project",
+    "qkv_project",
+    "rms_norm_heads",
+]
 
 
 def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -189,3 +200,71 @@ def kv_project(x, weight, bias=None, *, layout, k_norm=None, norm_eps=1e-6, rope
     parts = _split_packed(y, layout, ("k", "v"))
     o = _epilogue(parts, x.dtype, q_norm=None, k_norm=k_norm, norm_eps=norm_eps, rope=rope, scale_q=None)
     return o["k"], o["v"]
+def head_merge_coefficients(
+    head_gate: Optional[torch.Tensor], batch: int, heads: int, *, rescale: bool = False, dtype=torch.float32
+) -> Optional[torch.Tensor]:
+    """``alpha[b, h] = s[b] * g[b, h]`` of the head merge (SPEC section 3), ``[B, H]``, or
+    None when there is no gate (``alpha = 1``; rescale is then ``H / H = 1``).
+
+    ``s[b] = min(H, H / S[b])`` with ``S[b] = sum_h g[b, h]`` under ``rescale`` (Shim et
+    al.'s Bernoulli-gate output scale, clipped so that an all-closed row is not a division
+    by zero), else 1. Written as ``where(S > 1, H / max(S, 1), H)`` so that the gradient is
+    finite everywhere: ``ds/dS = -H / S^2`` for ``S > 1`` and 0 where the clip holds.
+    """
+    if head_gate is None:
+        return None
+    g = head_gate.to(dtype).expand(batch, heads)
+    if rescale:
+        total = g.sum(dim=-1, keepdim=True)
+        scale = torch.where(total > 1, heads / total.clamp(min=1), torch.full_like(total, float(heads)))
+        g = g * scale
+    return g
+
+
+def head_merge(
+    z: torch.Tensor,
+    weight_o: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    head_gate: Optional[torch.Tensor] = None,
+    rescale: bool = False,
+    return_stats: bool = False,
+):
+    """Head merge with the W_O block sum (SPEC section 3), eagerly: the concatenation of
+    the (gated, rescaled) heads followed by one projection.
+
+    ``z [B, H, Q, Dv]``, ``weight_o [D, H*Dv]``, ``bias [D]``, ``head_gate`` ``[H]`` or
+    ``[B, H]``. Returns ``y [B, Q, D] = sum_h alpha[b,h] Z[b,h] @ W_h^T + bias`` in z's
+    dtype (accumulated in fp32, fp64 for fp64 z), and with ``return_stats`` also
+    :func:`head_merge_stats` (explicit per-head products).
+    """
+    b, h, q, dv = z.shape
+    acc = _accumulation_dtype(z)
+    zz = z.to(acc)
+    alpha = head_merge_coefficients(head_gate, b, h, rescale=rescale, dtype=acc)
+    if alpha is not None:
+        zz = zz * alpha[:, :, None, None]
+    concat = zz.transpose(1, 2).reshape(b, q, h * dv)
+    y = torch.nn.functional.linear(concat, weight_o.to(acc), None if bias is None else bias.to(acc)).to(z.dtype)
+    if return_stats:
+        return y, head_merge_stats(z, weight_o, head_gate=head_gate)
+    return y
+
+
+def head_merge_stats(z: torch.Tensor, weight_o: torch.Tensor, *, head_gate: Optional[torch.Tensor] = None):
+    """Per-head statistics by explicit per-head products (materializes ``[B, Q, H, D]``):
+    ``z_norm[b, q, h] = ||Z[b,h,q]||`` and ``out_norm[b, q, h] = ||Z[b,h,q] @ W_h^T||``,
+    float32 ``[B, Q, H]``, ungated (neither the gate nor the rescale applied), and 0 for a
+    head whose gate is exactly 0 for that batch row (a closed head does no work)."""
+    from .ops import HeadMergeStats
+
+    b, h, q, dv = z.shape
+    acc = _accumulation_dtype(z)
+    zz = z.to(acc)
+    per_head = torch.einsum("bhqk,nhk->bqhn", zz, weight_o.to(acc).view(-1, h, dv))
+    z_norm = zz.norm(dim=-1).transpose(1, 2)
+    out_norm = per_head.norm(dim=-1)
+    if head_gate is not None:
+        open_ = (head_gate.expand(b, h) != 0).to(acc)[:, None, :]
+        z_norm, out_norm = z_norm * open_, out_norm * open_
+    return HeadMergeStats(z_norm.float(), out_norm.float())

@@ -1,0 +1,519 @@
+// CPU kernels of the head merge (math: merge_ops.h). The merge is a GEMM whose K axis is
+// the concatenation of the heads; the CPU kernel never builds that concatenation in
+// memory. It runs over tiles of kRows query rows of one batch row, in parallel
+// (at::parallel_for), and calls the CPU BLAS (at::native::cpublas::gemm: MKL/oneDNN)
+// on strided views:
+//   - z is read in place when it already is a row-major [Q, H*Dv] matrix per batch row
+//     (a transposed view of [B, Q, H, Dv] memory: stride(H) == Dv) and in fp32/fp64;
+//     otherwise each tile's open heads are gathered (and widened) into a small
+//     cache-resident scratch tile [kRows, H*Dv].
+//   - the K axis is split into runs of consecutive open heads with the same coefficient
+//     alpha[b,h] = s[b] * g[b,h]; each run is one GEMM with alpha as the GEMM's scale,
+//     so a closed head (g == 0) costs neither reads nor FLOPs, and binary gates with
+//     rescale cost one GEMM per run of open heads.
+//   - stats: z_norm from the tile's rows; out_norm through the Gram identity
+//     ||z W_h^T||^2 = z^T (W_h^T W_h) z with G_h = W_h^T W_h [Dv, Dv] formed once per
+//     call, i.e. Q*Dv*Dv extra FLOPs per head instead of Q*Dv*D and no [B, Q, H, D]
+//     tensor (clamped at 0 before the square root).
+// Backward: grad_z = alpha * grad_out_b @ W_h per tile (one GEMM per run of needed heads,
+// written straight into z's layout); the gate's gradient from c[b,h] = <Z_bh, grad_out_b
+// @ W_h> (per tile partials summed in tile order); grad_weight_o per head as
+// sum_b alpha[b,h] grad_out_b^T Z_bh (GEMM over the Q axis, heads in parallel);
+// grad_bias as column sums. Every reduction has a fixed order: results do not depend on
+// the thread count.
+#include "../common/cpu_convert.h"
+#include "../common/op_range.h"
+#include "../common/outputs.h"
+#include "merge_args.h"
+#include "merge_ops.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace headwise {
+namespace merge {
+namespace {
+
+// Row-major GEMM on strided views, C[m, n] = alpha A[m, k] B[k, n] + beta C (C is not
+// read when beta is 0), with A(i, p) = a[i * as0 + p * as1], B(p, j) = b[p * bs0 + j * bs1]
+// and C(i, j) = c[i * ldc + j]. Run by at::addmm_ on views of the buffers (no copies), so
+// the CPU BLAS (MKL/oneDNN/OpenBLAS) does the work. (at::native::cpublas::gemm would be
+// the direct call but is not exported by libtorch.) The operand orientations used below
+// are those of an eager nn.Linear forward/backward, which the BLAS runs fastest.
+template <typename A>
+void gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t as0, int64_t as1, const A* b, int64_t bs0,
+          int64_t bs1, A beta, A* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value).device(at::kCPU);
+  at::Tensor ct = at::from_blob(c, {m, n}, {ldc, 1}, opts);
+  if (k == 0) {
+    if (beta == A(0)) {
+      ct.zero_();
+    } else {
+      ct.mul_(beta);
+    }
+    return;
+  }
+  const at::Tensor at_ = at::from_blob(const_cast<A*>(a), {m, k}, {as0, as1}, opts);
+  const at::Tensor bt = at::from_blob(const_cast<A*>(b), {k, n}, {bs0, bs1}, opts);
+  ct.addmm_(at_, bt, beta, alpha);
+}
+
+constexpr int64_t kRows = 256;  // query rows per tile (large GEMMs: BLAS efficiency)
+
+// Per batch row: s[b] and alpha[b,h] = s[b] g[b,h] (g = 1 without a gate), and the
+// derivative ds/dS of the rescale (0 where the clip is active or without rescale).
+struct Coeffs {
+  std::vector<double> g, alpha, s, dsds;
+  bool all_one = true;  // alpha == 1 everywhere
+};
+
+Coeffs make_coeffs(const c10::optional<at::Tensor>& head_gate, bool rescale, const Shape& sh) {
+  Coeffs c;
+  const int64_t B = sh.batch, H = sh.heads;
+  c.g.assign(B * H, 1.0);
+  if (head_gate.has_value()) {
+    const at::Tensor g = head_gate->to(at::kDouble).expand({B, H}).contiguous();
+    const double* p = g.data_ptr<double>();
+    std::copy(p, p + B * H, c.g.begin());
+  }
+  c.alpha.resize(B * H);
+  c.s.assign(B, 1.0);
+  c.dsds.assign(B, 0.0);
+  for (int64_t b = 0; b < B; ++b) {
+    if (rescale) {
+      double sum = 0;
+      for (int64_t h = 0; h < H; ++h) sum += c.g[b * H + h];
+      const double Hd = static_cast<double>(H);
+      if (sum > 1.0) {
+        c.s[b] = Hd / sum;
+        c.dsds[b] = -Hd / (sum * sum);
+      } else {
+        c.s[b] = Hd;  // min(H, H / sum): the clip, also for an all-closed row
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      c.alpha[b * H + h] = c.s[b] * c.g[b * H + h];
+      if (c.alpha[b * H + h] != 1.0) c.all_one = false;
+    }
+  }
+  return c;
+}
+
+struct Run {
+  int64_t h0, h1;  // heads [h0, h1)
+  double alpha;
+};
+
+// Runs of consecutive heads with g != 0 (and, with split_alpha, equal alpha).
+std::vector<Run> open_runs(const Coeffs& c, int64_t b, int64_t H, bool split_alpha, bool include_closed) {
+  std::vector<Run> runs;
+  for (int64_t h = 0; h < H; ++h) {
+    const double a = c.alpha[b * H + h];
+    if (!include_closed && c.g[b * H + h] == 0.0) continue;
+    if (!runs.empty() && runs.back().h1 == h && (!split_alpha || runs.back().alpha == a)) {
+      runs.back().h1 = h + 1;
+    } else {
+      runs.push_back({h, h + 1, a});
+    }
+  }
+  return runs;
+}
+
+template <typename T, typename A>
+void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional<at::Tensor>& bias,
+                  const Coeffs& co, const Shape& sh, at::Tensor& out, at::Tensor* z_norm, at::Tensor* out_norm) {
+  const int64_t B = sh.batch, H = sh.heads, Q = sh.seq, Dv = sh.dv, D = sh.d, K = sh.k();
+  const T* zp = z.data_ptr<T>();
+  const int64_t sb = z.stride(0), shh = z.stride(1), sq = z.stride(2);
+  const A* w = wA.data_ptr<A>();
+  const int64_t ldw = wA.stride(0);
+  const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  const bool stats = z_norm != nullptr;
+  // Direct: GEMMs read z in place (no gather): rows of H*Dv contiguous elements.
+  const bool direct = std::is_same_v<T, A> && (H == 1 || shh == Dv) && (Q == 1 || sq >= K);
+  const int64_t ld_direct = Q == 1 ? K : sq;
+
+  // Gram matrices G_h = W_h^T W_h [Dv, Dv] (row-major, symmetric) for out_norm.
+  std::vector<A> gram;
+  if (stats) {
+    gram.resize(static_cast<size_t>(H * Dv * Dv));
+    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; ++h)
+        gemm(Dv, Dv, D, A(1), w + h * Dv, 1, ldw, w + h * Dv, ldw, 1, A(0), gram.data() + h * Dv * Dv, Dv);
+    });
+  }
+  if (direct && !stats) {
+    // No tiles: per run of open heads, one GEMM over every row of the batch rows that
+    // share the run (all of them when the gate does not depend on b and the batch rows
+    // are evenly spaced), so that the BLAS threads one large product.
+    auto merge_rows = [&](int64_t b0, int64_t nb) {
+      A* y = reinterpret_cast<A*>(op + b0 * Q * D);
+      const int64_t rows = nb * Q;
+      bool first = true;
+      if (bp != nullptr) {
+        at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t n = 0; n < D; ++n) y[r * D + n] = static_cast<A>(bp[n]);
+        });
+        first = false;
+      }
+      for (const Run& run : open_runs(co, b0, H, /*split_alpha=*/true, false)) {
+        gemm(rows, D, (run.h1 - run.h0) * Dv, static_cast<A>(run.alpha),
+             reinterpret_cast<const A*>(zp + b0 * sb) + run.h0 * Dv, ld_direct, 1, w + run.h0 * Dv, 1, ldw,
+             first ? A(0) : A(1), y, D);
+        first = false;
+      }
+      if (first) std::fill(y, y + rows * D, A(0));
+    };
+    bool uniform = Q > 1 && sb == Q * sq;
+    for (int64_t b = 1; uniform && b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        if (co.alpha[b * H + h] != co.alpha[h] || co.g[b * H + h] != co.g[h]) uniform = false;
+    if (uniform || B == 1) {
+      merge_rows(0, B);
+    } else {
+      for (int64_t b = 0; b < B; ++b) merge_rows(b, 1);
+    }
+    return;
+  }
+  float* zn = stats ? z_norm->data_ptr<float>() : nullptr;
+  float* on = stats ? out_norm->data_ptr<float>() : nullptr;
+
+  const int64_t qtiles = (Q + kRows - 1) / kRows;
+  at::parallel_for(0, B * qtiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<A> zs(direct ? 0 : static_cast<size_t>(kRows * K));
+    std::vector<A> ys(std::is_same_v<T, A> ? 0 : static_cast<size_t>(kRows * D));
+    std::vector<A> tmp(stats ? static_cast<size_t>(H * kRows * Dv) : 0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / qtiles, q0 = (t % qtiles) * kRows, rows = std::min(kRows, Q - q0);
+      const std::vector<Run> runs = open_runs(co, b, H, /*split_alpha=*/true, false);
+      // The tile of z: element (r, h*Dv + j) at zt + r * ldz + h * Dv + j.
+      const A* zt;
+      int64_t ldz;
+      if (direct) {
+        zt = reinterpret_cast<const A*>(zp + b * sb + q0 * sq);
+        ldz = ld_direct;
+      } else {
+        for (const Run& run : runs)
+          for (int64_t h = run.h0; h < run.h1; ++h)
+            for (int64_t r = 0; r < rows; ++r) {
+              const T* src = zp + b * sb + h * shh + (q0 + r) * sq;
+              A* dst = zs.data() + r * K + h * Dv;
+              for (int64_t j = 0; j < Dv; ++j) dst[j] = static_cast<A>(src[j]);
+            }
+        zt = zs.data();
+        ldz = K;
+      }
+      if (stats) {
+        // tmp[h, r, :] = G_h z[r, h]: one batched GEMM over heads when every head of the
+        // row is open (closed heads' Z must not be read), else one GEMM per open head.
+        bool all_open = true;
+        for (int64_t h = 0; h < H; ++h) all_open = all_open && co.g[b * H + h] != 0.0;
+        if (all_open && H > 1) {
+          const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value).device(at::kCPU);
+          at::Tensor tv = at::from_blob(tmp.data(), {H, rows, Dv}, {rows * Dv, Dv, 1}, opts);
+          at::bmm_out(tv, at::from_blob(const_cast<A*>(zt), {H, rows, Dv}, {Dv, ldz, 1}, opts),
+                      at::from_blob(gram.data(), {H, Dv, Dv}, {Dv * Dv, Dv, 1}, opts));
+        } else {
+          for (int64_t h = 0; h < H; ++h)
+            if (co.g[b * H + h] != 0.0)
+              gemm(rows, Dv, Dv, A(1), zt + h * Dv, ldz, 1, gram.data() + h * Dv * Dv, Dv, 1, A(0),
+                   tmp.data() + h * rows * Dv, Dv);
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t base = (b * Q + q0) * H + h;
+          if (co.g[b * H + h] == 0.0) {
+            for (int64_t r = 0; r < rows; ++r) zn[base + r * H] = on[base + r * H] = 0.f;
+            continue;
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const A* zr = zt + r * ldz + h * Dv;
+            const A* tr = tmp.data() + (h * rows + r) * Dv;
+            // Eight independent partial sums (vectorizable), then added in a fixed order.
+            A zz8[8] = {}, zg8[8] = {};
+            int64_t j = 0;
+            for (; j + 8 <= Dv; j += 8)
+              for (int l = 0; l < 8; ++l) {
+                zz8[l] += zr[j + l] * zr[j + l];
+                zg8[l] += zr[j + l] * tr[j + l];
+              }
+            for (; j < Dv; ++j) {
+              zz8[0] += zr[j] * zr[j];
+              zg8[0] += zr[j] * tr[j];
+            }
+            A zz = 0, zgz = 0;
+            for (int l = 0; l < 8; ++l) {
+              zz += zz8[l];
+              zgz += zg8[l];
+            }
+            zn[base + r * H] = static_cast<float>(std::sqrt(zz));
+            on[base + r * H] = static_cast<float>(std::sqrt(std::max(zgz, A(0))));
+          }
+        }
+      }
+      // y tile [rows, D] = sum over runs alpha_run * Z_run @ W_run^T.
+      A* y = std::is_same_v<T, A> ? reinterpret_cast<A*>(op + (b * Q + q0) * D) : ys.data();
+      bool first = true;
+      for (const Run& run : runs) {
+        gemm(rows, D, (run.h1 - run.h0) * Dv, static_cast<A>(run.alpha), zt + run.h0 * Dv, ldz, 1, w + run.h0 * Dv, 1,
+             ldw, first ? A(0) : A(1), y, D);
+        first = false;
+      }
+      if (first) std::fill(y, y + rows * D, A(0));
+      T* yo = op + (b * Q + q0) * D;
+      for (int64_t r = 0; r < rows; ++r) {
+        A* yr = y + r * D;
+        if (bp != nullptr)
+          for (int64_t n = 0; n < D; ++n) yr[n] += static_cast<A>(bp[n]);
+        if constexpr (!std::is_same_v<T, A>)
+          for (int64_t n = 0; n < D; ++n) yo[r * D + n] = cpu::to_storage<T, A>(yr[n]);
+      }
+    }
+  });
+}
+
+template <typename T, typename A>
+void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& wA, const Coeffs& co,
+                   const Shape& sh, at::Tensor& grad_z, at::Tensor& grad_w, at::Tensor* grad_b,
+                   std::vector<double>* cgate) {
+  const int64_t B = sh.batch, H = sh.heads, Q = sh.seq, Dv = sh.dv, D = sh.d, K = sh.k();
+  const T* zp = z.data_ptr<T>();
+  const int64_t sb = z.stride(0), shh = z.stride(1), sq = z.stride(2);
+  const int64_t gsb = grad_z.stride(0), gsh = grad_z.stride(1), gsq = grad_z.stride(2);
+  const A* w = wA.data_ptr<A>();
+  const int64_t ldw = wA.stride(0);
+  T* gz = grad_z.data_ptr<T>();
+  // grad_out in the accumulation type (a widened copy for bf16/fp16).
+  const at::Tensor dyA = dy.scalar_type() == wA.scalar_type() ? dy : dy.to(wA.scalar_type());
+  const A* g = dyA.data_ptr<A>();
+  const bool need_c = cgate != nullptr;
+  const int64_t qtiles = (Q + kRows - 1) / kRows;
+  std::vector<A> cpart(need_c ? static_cast<size_t>(B * qtiles * H) : 0, A(0));
+
+  const bool direct_dz = std::is_same_v<T, A> && !need_c && (H == 1 || gsh == Dv) && Q > 1 && gsq >= K;
+  if (direct_dz) {
+    // grad_z written by the GEMMs in place: per run of open heads with one alpha,
+    // grad_z[rows, run] = alpha * dy[rows, :] @ W_run over all rows of the batch rows that
+    // share the run; closed heads' columns are zero-filled.
+    auto dz_rows = [&](int64_t b0, int64_t nb) {
+      const int64_t rows = nb * Q;
+      A* gzb = reinterpret_cast<A*>(gz + b0 * gsb);
+      for (const Run& run : open_runs(co, b0, H, /*split_alpha=*/true, false))
+        gemm(rows, (run.h1 - run.h0) * Dv, D, static_cast<A>(run.alpha), g + b0 * Q * D, D, 1, w + run.h0 * Dv, ldw,
+             1, A(0), gzb + run.h0 * Dv, gsq);
+      for (int64_t h = 0; h < H; ++h) {
+        if (co.g[b0 * H + h] != 0.0) continue;
+        for (int64_t r = 0; r < rows; ++r) std::fill(gzb + r * gsq + h * Dv, gzb + r * gsq + (h + 1) * Dv, A(0));
+      }
+    };
+    bool uniform = gsb == Q * gsq;
+    for (int64_t b = 1; uniform && b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        if (co.alpha[b * H + h] != co.alpha[h] || co.g[b * H + h] != co.g[h]) uniform = false;
+    if (uniform || B == 1) {
+      dz_rows(0, B);
+    } else {
+      for (int64_t b = 0; b < B; ++b) dz_rows(b, 1);
+    }
+  }
+  // grad_z (and the gate's <Z, P> partials) per tile.
+  if (!direct_dz) at::parallel_for(0, B * qtiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<A> p(static_cast<size_t>(kRows * K));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / qtiles, q0 = (t % qtiles) * kRows, rows = std::min(kRows, Q - q0);
+      const A* gt = g + (b * Q + q0) * D;
+      for (const Run& run : open_runs(co, b, H, false, need_c))
+        gemm(rows, (run.h1 - run.h0) * Dv, D, A(1), gt, D, 1, w + run.h0 * Dv, ldw, 1, A(0), p.data() + run.h0 * Dv, K);
+      for (int64_t h = 0; h < H; ++h) {
+        const bool open = co.g[b * H + h] != 0.0;
+        const A alpha = static_cast<A>(co.alpha[b * H + h]);
+        A c = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const A* pr = p.data() + r * K + h * Dv;
+          T* dst = gz + b * gsb + h * gsh + (q0 + r) * gsq;
+          if (need_c) {
+            const T* zr = zp + b * sb + h * shh + (q0 + r) * sq;
+            for (int64_t j = 0; j < Dv; ++j) c += static_cast<A>(zr[j]) * pr[j];
+          }
+          if (open) {
+            for (int64_t j = 0; j < Dv; ++j) dst[j] = cpu::to_storage<T, A>(alpha * pr[j]);
+          } else {
+            for (int64_t j = 0; j < Dv; ++j) dst[j] = T(0);
+          }
+        }
+        if (need_c) cpart[t * H + h] = c;
+      }
+    }
+  });
+  if (need_c) {
+    cgate->assign(B * H, 0.0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < qtiles; ++t)
+        for (int64_t h = 0; h < H; ++h) (*cgate)[b * H + h] += static_cast<double>(cpart[(b * qtiles + t) * H + h]);
+  }
+
+  // grad_weight_o = grad_out^T [D, B*Q] @ Zs [B*Q, K] with Zs[(b, q), h] = alpha[b,h] Z[b,h,q]:
+  // one GEMM per run of heads open in some batch row (the orientation of nn.Linear's weight
+  // gradient); Zs is z itself when z is that matrix in place and alpha == 1, else a scaled
+  // copy (what eager autograd saves from its forward anyway).
+  A* gw = grad_w.data_ptr<A>();
+  const int64_t rows_all = B * Q;
+  const bool direct_w = std::is_same_v<T, A> && co.all_one && (H == 1 || shh == Dv) && (B == 1 || sb == Q * sq) &&
+                        (rows_all <= 1 || sq >= K) && (B == 1 || Q > 1);
+  std::vector<A> zbuf;
+  const A* zs;
+  int64_t ldzs;
+  if (direct_w) {
+    zs = reinterpret_cast<const A*>(zp);
+    ldzs = rows_all <= 1 ? K : sq;
+  } else {
+    zbuf.resize(static_cast<size_t>(rows_all * K));
+    at::parallel_for(0, rows_all, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = r / Q, q = r % Q;
+        for (int64_t h = 0; h < H; ++h) {
+          A* dst = zbuf.data() + r * K + h * Dv;
+          if (co.g[b * H + h] == 0.0) {
+            std::fill(dst, dst + Dv, A(0));
+            continue;
+          }
+          const A a = static_cast<A>(co.alpha[b * H + h]);
+          const T* src = zp + b * sb + h * shh + q * sq;
+          for (int64_t j = 0; j < Dv; ++j) dst[j] = a * static_cast<A>(src[j]);
+        }
+      }
+    });
+    zs = zbuf.data();
+    ldzs = K;
+  }
+  std::vector<Run> wruns;
+  for (int64_t h = 0; h < H; ++h) {
+    bool any_open = false;
+    for (int64_t b = 0; b < B; ++b) any_open = any_open || co.g[b * H + h] != 0.0;
+    if (!any_open) {
+      for (int64_t n = 0; n < D; ++n) std::fill(gw + n * K + h * Dv, gw + n * K + (h + 1) * Dv, A(0));
+    } else if (!wruns.empty() && wruns.back().h1 == h) {
+      wruns.back().h1 = h + 1;
+    } else {
+      wruns.push_back({h, h + 1, 1.0});
+    }
+  }
+  for (const Run& run : wruns)
+    gemm(D, (run.h1 - run.h0) * Dv, rows_all, A(1), g, 1, D, zs + run.h0 * Dv, ldzs, 1, A(0), gw + run.h0 * Dv, K);
+
+  if (grad_b != nullptr) {
+    A* gb = grad_b->data_ptr<A>();
+    const int64_t rows = B * Q;
+    at::parallel_for(0, D, 256, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) gb[n] = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = n0; n < n1; ++n) gb[n] += g[r * D + n];
+    });
+  }
+}
+
+template <typename F>
+void dispatch_cpu(at::ScalarType dt, const char* op, F&& f) {
+  switch (dt) {
+    case at::kFloat: f(float{}, float{}); break;
+    case at::kDouble: f(double{}, double{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}, float{}); break;
+    case at::kHalf: f(c10::Half{}, float{}); break;
+    default: TORCH_CHECK_TYPE(false, "headwise.", op, ": z must be float32, bfloat16, float16 or float64, got ", dt);
+  }
+}
+
+void check_cpu(const at::Tensor& z, const char* op) {
+  TORCH_CHECK(z.device().is_cpu(), "headwise.", op, ": z is on ", z.device(),
+              " but the CPU backend takes CPU tensors");
+}
+
+// weight_o in the accumulation dtype with stride-1 rows (no copy for fp32/fp64).
+at::Tensor weight_acc(const at::Tensor& weight_o) {
+  const auto acc = weight_o.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor w = weight_o.to(acc);
+  if (w.stride(1) != 1 || (w.size(0) > 1 && w.stride(0) < w.size(1))) w = w.contiguous();
+  return w;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> head_merge_cpu(const at::Tensor& z, const at::Tensor& weight_o,
+                                                              const c10::optional<at::Tensor>& bias,
+                                                              const c10::optional<at::Tensor>& head_gate,
+                                                              bool rescale, bool return_stats) {
+  HW_OP_RANGE("headwise::head_merge");
+  constexpr const char* op = "head_merge";
+  const Shape s = check_merge_args(op, z, weight_o, head_gate);
+  if (bias.has_value()) check_bias(op, *bias, z, s);
+  check_cpu(z, op);
+  at::Tensor out = new_output({s.batch, s.seq, s.d}, z.options());
+  const auto f32 = z.options().dtype(at::kFloat);
+  at::Tensor z_norm = return_stats ? new_output({s.batch, s.seq, s.heads}, f32) : at::empty({0}, f32);
+  at::Tensor out_norm = return_stats ? new_output({s.batch, s.seq, s.heads}, f32) : at::empty({0}, f32);
+  if (s.rows() == 0) return {out, z_norm, out_norm};
+  const Coeffs co = make_coeffs(head_gate, rescale, s);
+  const at::Tensor wA = weight_acc(weight_o);
+  const c10::optional<at::Tensor> b = bias.has_value() ? c10::optional<at::Tensor>(bias->contiguous()) : c10::nullopt;
+  dispatch_cpu(z.scalar_type(), op, [&](auto t, auto a) {
+    using T = decltype(t);
+    using A = decltype(a);
+    forward_impl<T, A>(z, wA, b, co, s, out, return_stats ? &z_norm : nullptr, return_stats ? &out_norm : nullptr);
+  });
+  return {out, z_norm, out_norm};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> head_merge_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& z, const at::Tensor& weight_o,
+    const c10::optional<at::Tensor>& head_gate, bool rescale, bool bias_grad, bool gate_grad) {
+  HW_OP_RANGE("headwise::head_merge_backward");
+  constexpr const char* op = "head_merge_backward";
+  const Shape s = check_merge_args(op, z, weight_o, head_gate);
+  check_grad_out(op, grad_out, z, s);
+  check_cpu(z, op);
+  const at::Tensor dy = grad_out.contiguous();
+  const at::Tensor wA = weight_acc(weight_o);
+  at::Tensor grad_z = empty_like_layout(z, z.options());
+  if (poison_outputs()) grad_z.fill_(std::numeric_limits<double>::quiet_NaN());
+  at::Tensor grad_wA = new_output({s.d, s.k()}, z.options().dtype(wA.scalar_type()));
+  at::Tensor grad_bA = bias_grad ? new_output({s.d}, z.options().dtype(wA.scalar_type()))
+                                 : at::empty({0}, z.options());
+  const bool need_c = gate_grad && head_gate.has_value();
+  const Coeffs co = make_coeffs(head_gate, rescale, s);
+  std::vector<double> c;
+  if (s.rows() == 0) {
+    grad_wA.zero_();
+    if (bias_grad) grad_bA.zero_();
+    c.assign(s.batch * s.heads, 0.0);
+  } else {
+    dispatch_cpu(z.scalar_type(), op, [&](auto t, auto a) {
+      using T = decltype(t);
+      using A = decltype(a);
+      backward_impl<T, A>(dy, z, wA, co, s, grad_z, grad_wA, bias_grad ? &grad_bA : nullptr, need_c ? &c : nullptr);
+    });
+  }
+  at::Tensor grad_gate = at::empty({0}, z.options());
+  if (need_c) {
+    // dL/dg[b,h] = s[b] c[b,h] + ds/dS[b] sum_h' g[b,h'] c[b,h'].
+    const int64_t B = s.batch, H = s.heads;
+    at::Tensor gg = at::empty({B, H}, z.options().dtype(at::kDouble));
+    double* p = gg.data_ptr<double>();
+    for (int64_t b = 0; b < B; ++b) {
+      double gc = 0;
+      for (int64_t h = 0; h < H; ++h) gc += co.g[b * H + h] * c[b * H + h];
+      for (int64_t h = 0; h < H; ++h) p[b * H + h] = co.s[b] * c[b * H + h] + co.dsds[b] * gc;
+    }
+    if (head_gate->dim() == 1) gg = gg.sum(0);
+    grad_gate = gg.to(head_gate->scalar_type());
+  }
+  return {grad_z, grad_wA.to(weight_o.scalar_type()), bias_grad ? grad_bA.to(z.scalar_type()) : grad_bA, grad_gate};
+}
+
+}  // namespace merge
+}  // namespace headwise

@@ -1,0 +1,421 @@
+"""headwise.head_merge (SPEC section 3): every backend against headwise.reference."""
+
+import pytest
+import torch
+
+import headwise
+from headwise import reference
+from headwise.testing import rel_err
+
+FP32_TOL = 1e-5
+
+# (B, H, Q, Dv, D): odd sizes; sizes beyond one CUDA tile in Q (32), D (64) and Dv (64).
+SHAPES = [
+    pytest.param(2, 3, 5, 4, 7, id="B2-H3-Q5-Dv4-D7"),
+    pytest.param(1, 2, 37, 8, 33, id="B1-H2-Q37-Dv8-D33"),
+    pytest.param(2, 4, 3, 16, 70, id="B2-H4-Q3-Dv16-D70"),
+    pytest.param(1, 5, 3, 3, 5, id="B1-H5-Q3-Dv3-D5"),
+    pytest.param(1, 2, 5, 67, 9, id="B1-H2-Q5-Dv67-D9"),
+]
+LAYOUTS = ["bhqd", "bqhd_view", "sliced"]
+
+
+def make_z(b, h, q, dv, layout, dtype=torch.float32, seed=0):
+    """z [B, H, Q, Dv] in one of three layouts: contiguous, a transposed view of
+    [B, Q, H, Dv] memory, and a non-dense slice (stride-1 last dim)."""
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "bhqd":
+        return torch.randn(b, h, q, dv, generator=gen).to(dtype)
+    if layout == "bqhd_view":
+        return torch.randn(b, q, h, dv, generator=gen).to(dtype).transpose(1, 2)
+    if layout == "sliced":
+        return torch.randn(b, h + 1, q, dv + 3, generator=gen).to(dtype)[:, 1:, :, 2 : 2 + dv]
+    raise ValueError(layout)
+
+
+def make_params(h, dv, d, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(d, h * dv, generator=gen) / (h * dv) ** 0.5).to(dtype)
+    bias = torch.randn(d, generator=gen).to(dtype)
+    return w, bias
+
+
+def make_gate(kind, b, h, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    if kind == "hard":  # [H] with one closed head
+        g = torch.ones(h)
+        g[h // 2] = 0
+        return g
+    if kind == "row_hard":  # [B, H], a different closed head per batch row
+        g = torch.ones(b, h)
+        for i in range(b):
+            g[i, i % h] = 0
+        return g
+    if kind == "soft":  # [B, H] non-binary, with one exact zero
+        g = torch.rand(b, h, generator=gen) + 0.1
+        g[0, 0] = 0
+        return g
+    raise ValueError(kind)
+
+
+def run_both(ops, z, w, bias, gate, rescale, *, stats=True, grad_seed=3, leaves=("z", "w", "bias", "gate")):
+    """(out, stats, grads) of ops.head_merge and of the reference on the same inputs."""
+    results = []
+    for fn in (ops.head_merge, reference.head_merge):
+        zz = z.detach().clone() if fn is reference.head_merge else z.detach()
+        args = {"z": zz, "w": w.detach().clone(), "bias": None if bias is None else bias.detach().clone(),
+                "gate": None if gate is None else gate.detach().clone()}
+        for k in leaves:
+            if args[k] is not None:
+                args[k].requires_grad_()
+        res = fn(args["z"], args["w"], args["bias"], head_gate=args["gate"], rescale=rescale, return_stats=stats)
+        out, st = res if stats else (res, None)
+        gen = torch.Generator().manual_seed(grad_seed)
+        grad = torch.randn(out.shape, generator=gen).to(out.dtype)
+        out.backward(grad)
+        grads = {k: (args[k].grad if args[k] is not None and args[k].requires_grad else None) for k in args}
+        results.append((out, st, grads, args["z"]))
+    return results
+
+
+@pytest.mark.parametrize("b,h,q,dv,d", SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_reference_fp32(backend, b, h, q, dv, d, layout):
+    z = make_z(b, h, q, dv, layout).to(backend.device)
+    w, bias = make_params(h, dv, d)
+    for gate_kind, rescale in [(None, False), ("soft", True), ("row_hard", False)]:
+        gate = make_gate(gate_kind, b, h)
+        (out, st, grads, zz), (eout, est, egrads, _) = run_both(backend, z, w, bias, gate, rescale)
+        assert rel_err(out, eout) <= FP32_TOL
+        assert rel_err(st.z_norm, est.z_norm) <= FP32_TOL
+        assert rel_err(st.out_norm, est.out_norm) <= 1e-4  # Gram identity on the CPU kernel
+        for k in grads:
+            if egrads[k] is not None:
+                err = rel_err(grads[k], egrads[k])
+                assert err <= FP32_TOL, f"grad {k} ({gate_kind}, rescale={rescale}): {err:.3g}"
+        if layout != "sliced":
+            assert grads["z"].stride() == z.stride()
+
+
+@pytest.mark.parametrize("gate_kind", [None, "hard", "row_hard", "soft"])
+@pytest.mark.parametrize("rescale", [False, True])
+@pytest.mark.parametrize("layout", ["bhqd", "bqhd_view"])
+def test_every_path_without_stats(host_backend, gate_kind, rescale, layout):
+    """Without stats (the CPU kernel's direct GEMM paths), with gates that do and do not
+    need their gradient."""
+    b, h, q, dv, d = 3, 4, 37, 8, 33
+    z = make_z(b, h, q, dv, layout)
+    w, bias = make_params(h, dv, d)
+    gate = make_gate(gate_kind, b, h)
+    for leaves in (("z", "w", "bias"), ("z", "w", "bias", "gate")):
+        (out, _, grads, _), (eout, _, egrads, _) = run_both(host_backend, z, w, bias, gate, rescale, stats=False,
+                                                            leaves=leaves)
+        assert rel_err(out, eout) <= FP32_TOL
+        for k in leaves:
+            if egrads[k] is not None:
+                assert rel_err(grads[k], egrads[k]) <= FP32_TOL, k
+
+
+def test_no_bias_and_partial_grads(host_backend):
+    z = make_z(2, 3, 5, 4, "bqhd_view")
+    w, _ = make_params(3, 4, 6)
+    (out, _, grads, _), (eout, _, egrads, _) = run_both(host_backend, z, w, None, None, False, leaves=("w",))
+    assert rel_err(out, eout) <= FP32_TOL
+    assert rel_err(grads["w"], egrads["w"]) <= FP32_TOL
+    assert grads["z"] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_close_to_reference(backend, dtype):
+    b, h, q, dv, d = 2, 4, 37, 16, 70
+    z = make_z(b, h, q, dv, "bqhd_view", dtype=dtype).to(backend.device)
+    w, bias = make_params(h, dv, d, dtype=dtype)
+    gate = make_gate("soft", b, h)
+    (out, st, grads, _), (eout, est, egrads, _) = run_both(backend, z, w, bias, gate, True)
+    assert out.dtype == dtype and grads["z"].dtype == dtype and grads["w"].dtype == dtype
+    assert grads["gate"].dtype == torch.float32
+    assert rel_err(out, eout) <= 1e-2
+    assert rel_err(st.out_norm, est.out_norm) <= 1e-3
+    for k in grads:
+        assert rel_err(grads[k], egrads[k]) <= 2e-2, k
+
+
+def test_two_head_trace(backend):
+    """seeds/001: z3 = [0.752, 0.752, -0.546, 0.926] and W_O give y3 ~ [0.479, 1.215, -0.170,
+    1.302]; ablating head 2 before the projection gives [0.752, 0.752, 0.376, 0.376] W_O."""
+    w_o = torch.tensor([[1, 0, 0.5, 0], [0, 1, 0, 0.5], [0.5, 0, 1, 0], [0, 0.5, 0, 1]])  # Y = Z W_O
+    weight_o = w_o.t().contiguous()  # nn.Linear orientation [D_model, H*Dv]
+    z = torch.tensor([[0.752, 0.752], [-0.546, 0.926]]).view(1, 2, 1, 2)  # [B=1, H=2, Q=1, Dv=2]
+    y = backend.head_merge(z.to(backend.device), weight_o.to(backend.device))
+    torch.testing.assert_close(y.view(4).cpu(), torch.tensor([0.479, 1.215, -0.170, 1.302]), atol=1e-3, rtol=0)
+    gate = torch.tensor([1.0, 0.0])
+    y_ablated = backend.head_merge(z, weight_o, head_gate=gate)
+    expected = torch.tensor([0.752, 0.752, 0.0, 0.0]) @ w_o
+    torch.testing.assert_close(y_ablated.view(4), expected, atol=1e-6, rtol=0)
+    # Permuting the head blocks of Z and the matching rows of W_O leaves y unchanged.
+    z_swapped = z.flip(1)
+    w_swapped = torch.cat([weight_o[:, 2:], weight_o[:, :2]], dim=1)
+    torch.testing.assert_close(backend.head_merge(z_swapped, w_swapped), y, atol=1e-6, rtol=0)
+    assert not torch.allclose(backend.head_merge(z_swapped, weight_o), y, atol=1e-3)
+
+
+def test_rescale_one_closed_of_eight_is_exactly_eight_sevenths(backend):
+    b, h, q, dv, d = 2, 8, 5, 4, 12
+    z = make_z(b, h, q, dv, "bqhd_view")
+    w, _ = make_params(h, dv, d)
+    gate = torch.ones(h)
+    gate[3] = 0
+    plain = backend.head_merge(z, w, head_gate=gate)
+    scaled = backend.head_merge(z, w, head_gate=gate, rescale=True)
+    torch.testing.assert_close(scaled, plain * (8 / 7), rtol=1e-6, atol=1e-7)
+    # Rescale of an all-open gate is 1.
+    ones = torch.ones(h)
+    torch.testing.assert_close(backend.head_merge(z, w, head_gate=ones, rescale=True), backend.head_merge(z, w))
+
+
+def test_all_closed_gives_bias_alone(backend):
+    b, h, q, dv, d = 2, 3, 5, 4, 7
+    z = make_z(b, h, q, dv, "bhqd").requires_grad_()
+    w, bias = make_params(h, dv, d)
+    gate = torch.zeros(b, h, requires_grad=True)
+    for rescale in (False, True):
+        out = backend.head_merge(z, w, bias, head_gate=gate, rescale=rescale)
+        assert torch.equal(out, bias.expand(b, q, d))
+        out.sum().backward()
+        assert torch.equal(z.grad, torch.zeros_like(z))
+        assert torch.isfinite(gate.grad).all()
+        z.grad = gate.grad = None
+    assert torch.equal(backend.head_merge(z, w, head_gate=torch.zeros(h)), torch.zeros(b, q, d))
+
+
+def test_closed_heads_are_not_read(backend):
+    """A gate of exactly 0 skips the head: NaN in a closed head's z does not reach the
+    output (a dense mask would give NaN * 0 = NaN), nor grad_weight_o."""
+    b, h, q, dv, d = 2, 4, 5, 8, 9
+    z = make_z(b, h, q, dv, "bqhd_view").clone()
+    w, bias = make_params(h, dv, d)
+    gate = torch.ones(b, h)
+    gate[0, 1] = 0
+    gate[1, 2] = 0
+    z_nan = z.clone()
+    z_nan[0, 1] = float("nan")
+    z_nan[1, 2] = float("nan")
+    wl = w.clone().requires_grad_()
+    zl = z_nan.clone().requires_grad_()
+    out, st = backend.head_merge(zl, wl, bias, head_gate=gate, rescale=True, return_stats=True)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference.head_merge(z, w, bias, head_gate=gate, rescale=True))
+    assert st.z_norm[0, :, 1].eq(0).all() and st.out_norm[1, :, 2].eq(0).all()
+    out.sum().backward()
+    assert torch.isfinite(wl.grad).all()
+    assert zl.grad[0, 1].eq(0).all() and zl.grad[1, 2].eq(0).all()
+
+
+def test_stats_against_explicit_per_head_products(backend):
+    b, h, q, dv, d = 2, 3, 37, 16, 70
+    z = make_z(b, h, q, dv, "sliced")
+    w, bias = make_params(h, dv, d)
+    gate = torch.tensor([1.0, 0.0, 0.5])
+    _, st = backend.head_merge(z, w, bias, head_gate=gate, return_stats=True)
+    assert st.z_norm.shape == (b, q, h) and st.z_norm.dtype == torch.float32
+    for hh in range(h):
+        contrib = z[:, hh] @ w[:, hh * dv : (hh + 1) * dv].t()  # [B, Q, D], ungated
+        want_z = z[:, hh].norm(dim=-1) if gate[hh] != 0 else torch.zeros(b, q)
+        want_o = contrib.norm(dim=-1) if gate[hh] != 0 else torch.zeros(b, q)
+        torch.testing.assert_close(st.z_norm[:, :, hh], want_z, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(st.out_norm[:, :, hh], want_o, rtol=1e-4, atol=1e-5)
+    # Stats do not change the output.
+    with_stats = backend.head_merge(z, w, bias, head_gate=gate, return_stats=True)[0]
+    torch.testing.assert_close(backend.head_merge(z, w, bias, head_gate=gate), with_stats, rtol=1e-6, atol=1e-6)
+
+
+def test_transposed_view_is_read_in_place(host_backend):
+    """z as a transposed view of [B, Q, H, Dv] memory: correct, grad_z in z's strides,
+    and no [B, Q, H*Dv]-sized copy is made (peak extra memory below one z)."""
+    b, h, q, dv, d = 2, 4, 64, 16, 8
+    mem = torch.randn(b, q, h, dv)
+    z = mem.transpose(1, 2).requires_grad_()
+    w, bias = make_params(h, dv, d)
+    out = host_backend.head_merge(z, w, bias)
+    torch.testing.assert_close(out, reference.head_merge(z.detach(), w, bias), rtol=1e-5, atol=1e-5)
+    out.backward(torch.ones_like(out))
+    assert z.grad.stride() == z.stride() == mem.transpose(1, 2).stride()
+    if host_backend.name == "cpu":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            host_backend.head_merge(z.detach(), w, bias)
+        big = [e for e in prof.events() if e.cpu_memory_usage >= z.numel() * z.element_size()]
+        assert not big, f"allocations of a z-sized buffer: {[e.name for e in big]}"
+
+
+def test_gradcheck_float64_cpu_kernel():
+    b, h, q, dv, d = 2, 3, 3, 2, 4
+    z = make_z(b, h, q, dv, "bqhd_view", dtype=torch.float64).requires_grad_()
+    w, bias = make_params(h, dv, d, dtype=torch.float64)
+    w.requires_grad_()
+    bias.requires_grad_()
+    gate = (torch.rand(b, h, dtype=torch.float64) + 0.5).requires_grad_()  # sum > 1: rescale active
+    fn = lambda z, w, bias, g: headwise.head_merge(z, w, bias, head_gate=g, rescale=True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (z, w, bias, gate))
+    gate_h = torch.tensor([0.3, 0.2, 0.1], dtype=torch.float64, requires_grad=True)  # sum <= 1: clipped at H
+    assert torch.autograd.gradcheck(fn, (z, w, bias, gate_h))
+    fn2 = lambda z, w, g: headwise.head_merge(z, w, head_gate=g)  # noqa: E731
+    gate_c = torch.tensor([1.0, 0.0, 0.7], dtype=torch.float64, requires_grad=True)  # closed head's gate grad
+    assert torch.autograd.gradcheck(fn2, (z, w, gate_c))
+
+
+def test_opcheck(backend):
+    dev = backend.device
+    op = getattr(torch.ops, backend.ns).head_merge
+    z = make_z(2, 3, 5, 4, "bqhd_view").to(dev).requires_grad_()
+    w, bias = make_params(3, 4, 7)
+    w, bias = w.to(dev).requires_grad_(), bias.to(dev).requires_grad_()
+    samples = [
+        (z, w, bias, None, False, False),
+        (z, w, None, torch.tensor([1.0, 0.0, 0.5], device=dev, requires_grad=True), True, True),
+        (make_z(2, 3, 5, 4, "bhqd").to(dev), w, bias, torch.rand(2, 3, device=dev, requires_grad=True), False, True),
+    ]
+    for args in samples:
+        torch.library.opcheck(op, args)
+    bwd = getattr(torch.ops, backend.ns).head_merge_backward
+    grad = torch.randn(2, 5, 7, device=dev)
+    torch.library.opcheck(bwd, (grad, z.detach(), w.detach(), torch.rand(2, 3, device=dev), True, True, True))
+
+
+def test_compiles_fullgraph_without_graph_breaks(host_backend):
+    z = make_z(2, 3, 5, 4, "bqhd_view").requires_grad_()
+    w, bias = make_params(3, 4, 7)
+    w.requires_grad_()
+    gate = torch.tensor([1.0, 0.0, 0.5], requires_grad=True)
+
+    def step(z, w, bias, gate):
+        out, st = host_backend.head_merge(z, w, bias, head_gate=gate, rescale=True, return_stats=True)
+        return out.square().sum() + st.out_norm.sum().detach()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(z, w, bias, gate)
+    loss.backward()
+    grads = [x.grad.clone() for x in (z, w, gate)]
+    for x in (z, w, gate):
+        x.grad = None
+    step(z, w, bias, gate).backward()
+    for got, x in zip(grads, (z, w, gate)):
+        assert torch.equal(got, x.grad)
+
+
+def test_deterministic_across_thread_counts():
+    z = make_z(2, 4, 200, 16, "bhqd").requires_grad_()
+    w, bias = make_params(4, 16, 24)
+    gate = torch.rand(2, 4, requires_grad=True)
+
+    def run():
+        z.grad = gate.grad = None
+        out, st = headwise.head_merge(z, w, bias, head_gate=gate, rescale=True, return_stats=True)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), st.out_norm, z.grad.clone(), gate.grad.clone()]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(max(2, threads))
+        many = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, many):
+        assert torch.equal(a, b)
+
+
+class TestBadInput:
+    z = make_z(2, 3, 5, 4, "bqhd_view")
+    w, bias = make_params(3, 4, 7)
+
+    def call(self, ops, z=None, w=None, bias=None, gate=None, **kw):
+        return ops.head_merge(self.z if z is None else z, self.w if w is None else w,
+                              bias, head_gate=gate, **kw)
+
+    def test_z_not_4d(self, host_backend):
+        with pytest.raises(ValueError, match="z must be 4-D"):
+            self.call(host_backend, z=self.z[0])
+
+    def test_weight_o_columns(self, host_backend):
+        with pytest.raises(ValueError, match="weight_o dim 1 must equal H\\*Dv"):
+            self.call(host_backend, w=self.w[:, :-1])
+
+    def test_weight_o_dtype(self, host_backend):
+        with pytest.raises(TypeError, match="weight_o must have the dtype of z"):
+            self.call(host_backend, w=self.w.double())
+
+    def test_bias_shape_and_dtype(self, host_backend):
+        with pytest.raises(ValueError, match="bias dim 0"):
+            self.call(host_backend, bias=self.bias[:-1])
+        with pytest.raises(TypeError, match="bias must have the dtype"):
+            self.call(host_backend, bias=self.bias.half())
+
+    def test_gate_shape_and_dtype(self, host_backend):
+        with pytest.raises(ValueError, match="head_gate must be \\[H\\]"):
+            self.call(host_backend, gate=torch.ones(4))
+        with pytest.raises(ValueError, match="head_gate must be \\[H\\]"):
+            self.call(host_backend, gate=torch.ones(3, 3))
+        with pytest.raises(TypeError, match="head_gate must be float32"):
+            self.call(host_backend, gate=torch.ones(3, dtype=torch.int64))
+
+    def test_last_dim_stride(self, host_backend):
+        with pytest.raises(ValueError, match="z must have a stride-1 last dim"):
+            self.call(host_backend, z=self.z.transpose(2, 3).contiguous().transpose(2, 3))
+        with pytest.raises(ValueError, match="weight_o must have a stride-1 last dim"):
+            self.call(host_backend, w=self.w.t().contiguous().t())
+
+    def test_z_dtype(self, host_backend):
+        with pytest.raises(TypeError, match="z must be"):
+            self.call(host_backend, z=self.z.int(), w=self.w.int())
+
+    def test_double_rejected_by_sim(self):
+        with pytest.raises(TypeError, match="z"):
+            self.call(headwise.testing.backend("sim"), z=self.z.double(), w=self.w.double())
+
+    def test_grad_out_shape(self, host_backend):
+        bwd = getattr(torch.ops, host_backend.ns).head_merge_backward
+        with pytest.raises(ValueError, match="grad_out dim 2"):
+            bwd(torch.zeros(2, 5, 6), self.z, self.w, None, False, True, False)
+
+    def test_device_mismatch(self):
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        with pytest.raises(RuntimeError, match="weight_o"):
+            self.call(headwise.testing.backend("cuda"), z=self.z.cuda())
+
+
+@pytest.mark.parametrize("layout", ["bhqd", "bqhd_view"])
+def test_several_cpu_tiles(layout):
+    """Q beyond one CPU tile (256 rows), batch rows with different gates, every grad."""
+    b, h, q, dv, d = 2, 3, 300, 8, 20
+    z = make_z(b, h, q, dv, layout)
+    w, bias = make_params(h, dv, d)
+    for gate_kind, stats in [("soft", True), ("row_hard", False), (None, True)]:
+        gate = make_gate(gate_kind, b, h)
+        (out, st, grads, _), (eout, est, egrads, _) = run_both(headwise.testing.backend("cpu"), z, w, bias, gate,
+                                                               True, stats=stats)
+        assert rel_err(out, eout) <= FP32_TOL
+        if stats:
+            assert rel_err(st.out_norm, est.out_norm) <= 1e-4
+        for k in grads:
+            if egrads[k] is not None:
+                assert rel_err(grads[k], egrads[k]) <= FP32_TOL, k
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 0, 4, 5), (0, 3, 2, 4, 5), (1, 1, 1, 1, 1), (3, 1, 2, 5, 1)],
+                         ids=["Q0", "B0", "all1", "D1-H1"])
+def test_degenerate_shapes(backend, shape):
+    b, h, q, dv, d = shape
+    z = torch.randn(b, h, q, dv).to(backend.device)
+    w, bias = make_params(h, dv, d)
+    gate = torch.rand(h) + 0.2
+    (out, st, grads, _), (eout, est, egrads, _) = run_both(backend, z, w, bias, gate, True)
+    assert out.shape == eout.shape and st.z_norm.shape == (b, q, h)
+    torch.testing.assert_close(out, eout, rtol=1e-5, atol=1e-5)
+    for k in grads:
+        torch.testing.assert_close(grads[k], egrads[k], rtol=1e-5, atol=1e-5)
