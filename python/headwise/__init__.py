@@ -8,7 +8,7 @@ on CPU tensors). The functions below are typed, differentiable wrappers.
 import torch  # noqa: F401  (the op libraries link against libtorch)
 
 from . import _C, _sim  # noqa: F401  (load torch.ops.headwise and torch.ops.headwise_sim)
-from . import models, nn, reference, testing
+from . import integrations, models, nn, reference, testing
 from .depth_buffer import DepthBuffer
 from .head_scores import ahon_scores, circuit_scores, inactive_heads
 from .head_surgery import PermutedHeads, PrunedHeads, head_mask, permute_heads, prune_heads
@@ -29,6 +29,7 @@ __all__ = [
     "head_mask",
     "head_merge",
     "inactive_heads",
+    "integrations",
     "kv_project",
     "mhar_route",
     "models",

@@ -1,0 +1,121 @@
+"""Run Hugging Face attention layers through headwise (SPEC section 8).
+
+``patch_hf_attention(model)`` makes every supported attention module of a
+``transformers`` model (Llama, Qwen3 and the other ``*Attention`` classes with the same
+q_proj / k_proj / v_proj / o_proj layout, optional q_norm / k_norm) compute
+
+    q, k, v = headwise.qkv_project(x, [W_q; W_k; W_v], [b_q; b_k; b_v], q/k norm, rope)
+    z       = the model's own attention function (sdpa, eager, ...) on q, k, v
+    out     = headwise.head_merge(z viewed as [B, H, S, D], W_o, b_o)
+
+instead of three linears, views, transposes, the norms, the rotary embedding and a
+contiguous copy before o_proj. The module keeps its parameters and state-dict keys (the
+fused weight is the concatenation of q_proj, k_proj and v_proj, formed per call, so
+optimizers, checkpoints and tied/frozen parameters are unaffected); masks, caches,
+sliding windows and the attention implementation are the model's own. Outputs and
+gradients equal the unpatched model's up to fp32 rounding order (tested on tiny random
+Llama and Qwen3 models built from configs). ``unpatch_hf_attention(model)`` restores
+the original forwards.
+
+Limits: rotary tables must be the same for every batch row (HF computes them from
+position_ids, which are shared unless you pass per-row positions); a call with per-row
+tables raises. Attention dropout runs inside the model's attention function, as before.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .ops import DEFAULT_OPS, Ops
+from .qkv_layout import QKVLayout
+
+__all__ = ["patch_hf_attention", "unpatch_hf_attention"]
+
+_ORIGINAL = "_headwise_original_forward"
+
+
+def _is_supported(module: nn.Module) -> bool:
+    return (type(module).__name__.endswith("Attention")
+            and all(isinstance(getattr(module, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and hasattr(module, "head_dim") and hasattr(module, "config"))
+
+
+def _shared_rope_table(t: torch.Tensor, name: str) -> torch.Tensor:
+    """HF's [B, S, D] (or [S, D]) rotary table as the [S, D] table qkv_project takes."""
+    if t.dim() == 2:
+        return t
+    if t.shape[0] > 1 and not torch.equal(t, t[:1].expand_as(t)):
+        raise NotImplementedError(f"headwise.integrations: rotary {name} differs between batch rows "
+                                  "(per-row position_ids); qkv_project takes one [S, D] table")
+    return t[0]
+
+
+def _headwise_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                                cache=None, past_key_values=None, **kwargs):
+    ops: Ops = self._headwise_ops
+    layout: QKVLayout = self._headwise_layout
+    weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+    bias = None
+    if self.q_proj.bias is not None:
+        bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+    q_norm = getattr(self, "q_norm", None)
+    k_norm = getattr(self, "k_norm", None)
+    eps = getattr(q_norm if q_norm is not None else k_norm, "variance_epsilon", 1e-6)
+    rope = None
+    if position_embeddings is not None:
+        cos, sin = position_embeddings
+        rope = (_shared_rope_table(cos, "cos"), _shared_rope_table(sin, "sin"))
+    q, k, v = ops.qkv_project(hidden_states, weight, bias, layout=layout,
+                              q_norm=None if q_norm is None else q_norm.weight,
+                              k_norm=None if k_norm is None else k_norm.weight, norm_eps=eps, rope=rope)
+    cache = cache if cache is not None else past_key_values
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    modeling = sys.modules[type(self).__module__]
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                      modeling.eager_attention_forward)
+    if getattr(self, "sliding_window", None) is not None:
+        kwargs.setdefault("sliding_window", self.sliding_window)
+    attn_output, attn_weights = attention(
+        self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling, **kwargs)
+    # attn_output [B, S, H, D]: its transpose is the [B, H, S, D] z that head_merge reads in place.
+    out = ops.head_merge(attn_output.transpose(1, 2), self.o_proj.weight, self.o_proj.bias)
+    return out, attn_weights
+
+
+def patch_hf_attention(model: nn.Module, *, ops: Optional[Ops] = None) -> int:
+    """Route every supported attention module of ``model`` through headwise; returns how
+    many were patched. ``ops`` binds a backend (``headwise.testing.backend(...)``)."""
+    count = 0
+    for module in model.modules():
+        if not _is_supported(module) or hasattr(module, _ORIGINAL):
+            continue
+        cfg = module.config
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        module._headwise_layout = QKVLayout(heads, kv_heads, module.head_dim)
+        module._headwise_ops = ops or DEFAULT_OPS
+        setattr(module, _ORIGINAL, module.forward)
+        module.forward = types.MethodType(_headwise_attention_forward, module)
+        count += 1
+    return count
+
+
+def unpatch_hf_attention(model: nn.Module) -> int:
+    """Undo :func:`patch_hf_attention`; returns how many modules were restored."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, _ORIGINAL):
+            module.forward = getattr(module, _ORIGINAL)
+            for name in (_ORIGINAL, "_headwise_layout", "_headwise_ops"):
+                delattr(module, name)
+            count += 1
+    return count
