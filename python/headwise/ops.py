@@ -210,10 +210,11 @@ def _check_x(x, op):
 
 
 def _autocast_gemm_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-    """Autocast policy of the projection ops (qkv_project, q_project, kv_project): like
-    nn.Linear, inside an autocast region for x's device the GEMM operands (x, weight,
-    bias) are cast to the autocast dtype, so outputs come out in that dtype; the small
-    parameters (norm weights, rope tables) stay as given (fp32 is accepted)."""
+    """Autocast policy of the projection ops (qkv_project, q_project, kv_project,
+    head_merge): like nn.Linear, inside an autocast region for x's device the GEMM
+    operands (x or z, the weight, the bias) are cast to the autocast dtype, so outputs
+    come out in that dtype; the small parameters (norm weights, rope tables, head gates)
+    stay as given (fp32 is accepted)."""
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return x, weight, bias
@@ -369,6 +370,7 @@ class Ops:
         (non-binary gates are differentiable, through s as well). With
         ``return_stats=True`` returns ``(y, HeadMergeStats(z_norm, out_norm))``.
         """
+        z, weight_o, bias = _autocast_gemm_inputs(z, weight_o, bias)
         out, z_norm, out_norm = self._lib.head_merge(z, weight_o, bias, head_gate, bool(rescale), bool(return_stats))
         if return_stats:
             return out, HeadMergeStats(z_norm, out_norm)

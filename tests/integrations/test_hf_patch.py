@@ -59,3 +59,17 @@ def test_patched_model_generates_with_a_cache():
         patch_hf_attention(model)
         got = model.generate(tokens, max_new_tokens=6, do_sample=False)
     assert torch.equal(got, want)
+
+
+def test_patched_model_under_autocast_bf16():
+    # The projections follow nn.Linear's autocast policy, so the patched model runs the
+    # same bf16 GEMMs as the original; the two differ only by bf16 rounding points.
+    model = tiny_model("qwen3", "sdpa")
+    tokens = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, _ = loss_and_grads(model, tokens)
+        patch_hf_attention(model)
+        got, grads = loss_and_grads(model, tokens)
+    assert got.dtype == want.dtype
+    assert (got.float() - want.float()).norm() <= 2e-2 * want.float().norm()
+    assert all(torch.isfinite(g).all() for g in grads.values())

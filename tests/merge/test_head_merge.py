@@ -419,3 +419,16 @@ def test_degenerate_shapes(backend, shape):
     torch.testing.assert_close(out, eout, rtol=1e-5, atol=1e-5)
     for k in grads:
         torch.testing.assert_close(grads[k], egrads[k], rtol=1e-5, atol=1e-5)
+
+
+def test_autocast_casts_the_gemm_operands(host_backend):
+    # Like nn.Linear: inside autocast z, weight_o and bias go to the autocast dtype; the
+    # fp32 gate is used as given.
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(2, 5, 4, 3, generator=gen).transpose(1, 2)  # [B, H, Q, Dv] view
+    weight_o, bias = torch.randn(7, 12, generator=gen), torch.randn(7, generator=gen)
+    gate = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = host_backend.head_merge(z, weight_o, bias, head_gate=gate)
+    want = host_backend.head_merge(z.bfloat16(), weight_o.bfloat16(), bias.bfloat16(), head_gate=gate)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
