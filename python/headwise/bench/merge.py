@@ -12,7 +12,7 @@ import torch
 import headwise
 from headwise import reference
 
-from .timing import Row, median_ms, peak_bytes, saved_bytes
+from .timing import Row, time_modes
 
 # z in the layout attention produces ([B, H, Q, Dv], e.g. scaled_dot_product_attention's
 # output): eager must transpose + copy it before the projection; headwise reads it in place.
@@ -35,31 +35,11 @@ def _inputs(shape, device, dtype, layout="bhqd"):
     return z, w, bias, grad
 
 
-def _time_impls(op, label, dname, device, repeats, impls, leaves, grad, modes, rows, extra=None):
-    warmup = 3
-    for impl, forward in impls.items():
+def _time_impls(op, label, dname, device, repeats, impls, leaves, grad, modes, rows):
+    def backward(out):
+        (out[0] if isinstance(out, tuple) else out).backward(grad)
 
-        def clear():
-            for x in leaves:
-                x.grad = None
-
-        def fwd_only(forward=forward):
-            with torch.no_grad():
-                forward()
-
-        def fwd_bwd(forward=forward):
-            out = forward()
-            (out[0] if isinstance(out, tuple) else out).backward(grad)
-
-        if "fwd" in modes:
-            rows.append(Row(op, label, dname, "fwd", impl, median_ms(fwd_only, device, repeats=repeats, warmup=warmup),
-                            peak_bytes=peak_bytes(fwd_only, device)))
-        if "fwd+bwd" in modes:
-            saved = saved_bytes(lambda forward=forward: forward(), leaves)
-            rows.append(Row(op, label, dname, "fwd+bwd", impl,
-                            median_ms(fwd_bwd, device, repeats=repeats, warmup=warmup, setup=clear),
-                            saved_bytes=saved, peak_bytes=peak_bytes(fwd_bwd, device)))
-            clear()
+    rows += time_modes(op, label, dname, device, repeats, impls, leaves, backward, modes)
 
 
 def run(device: torch.device, dtype: torch.dtype, repeats: int, shape: dict | None = None) -> list[Row]:

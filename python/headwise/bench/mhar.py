@@ -8,7 +8,7 @@ import torch
 import headwise
 from headwise import reference
 
-from .timing import Row, median_ms, peak_bytes, saved_bytes
+from .timing import Row, time_modes
 
 CPU_SHAPE = dict(n=9, b=2, t=512, d=1024, h=8)
 GPU_SHAPE = dict(n=9, b=2, t=4096, d=4096, h=8)
@@ -33,39 +33,5 @@ def run(device: torch.device, dtype: torch.dtype, repeats: int, shape: dict | No
     }
     label = f"N={n} B={b} T={t} d={d} H={h}"
     dname = str(dtype).replace("torch.", "")
-    rows = []
-    warmup = 3
-    for impl, fn in impls.items():
-        forward = lambda fn=fn: fn(*leaves, num_heads=h)  # noqa: E731
-
-        def clear():
-            for x in leaves:
-                x.grad = None
-
-        def fwd_only(forward=forward):
-            with torch.no_grad():
-                forward()
-
-        def fwd_bwd(forward=forward):
-            forward().backward(grad)
-
-        state = {}
-
-        def make_graph(forward=forward):
-            clear()
-            state["out"] = forward()
-
-        def bwd_only():
-            state.pop("out").backward(grad)
-
-        saved = saved_bytes(forward, leaves)
-        rows.append(Row("mhar_route", label, dname, "fwd", impl,
-                        median_ms(fwd_only, device, repeats=repeats, warmup=warmup),
-                        peak_bytes=peak_bytes(fwd_only, device)))
-        rows.append(Row("mhar_route", label, dname, "bwd", impl,
-                        median_ms(bwd_only, device, repeats=repeats, warmup=warmup, setup=make_graph)))
-        rows.append(Row("mhar_route", label, dname, "fwd+bwd", impl,
-                        median_ms(fwd_bwd, device, repeats=repeats, warmup=warmup, setup=clear),
-                        saved_bytes=saved, peak_bytes=peak_bytes(fwd_bwd, device)))
-        clear()
-    return rows
+    forwards = {name: (lambda fn=fn: fn(*leaves, num_heads=h)) for name, fn in impls.items()}
+    return time_modes("mhar_route", label, dname, device, repeats, forwards, leaves, lambda out: out.backward(grad))

@@ -10,7 +10,7 @@ import torch
 import headwise
 from headwise import reference
 
-from .timing import Row, median_ms, peak_bytes, saved_bytes
+from .timing import Row, median_ms, time_modes
 
 CPU_SHAPE = dict(b=2, s=512, d_model=1024, hq=16, hkv=8, d=64)
 GPU_SHAPE = dict(b=4, s=4096, d_model=4096, hq=32, hkv=8, d=128)
@@ -47,44 +47,12 @@ def run(device: torch.device, dtype: torch.dtype, repeats: int, shape: dict | No
     impls = {"eager": eager, "compile": torch.compile(eager, dynamic=False), "headwise": fused}
     label = f"B={b} S={s} D_model={dm} Hq={hq} Hkv={hkv} D={d} qk-norm rope"
     dname = str(dtype).replace("torch.", "")
-    rows = []
-    warmup = 3
-    for impl, fn in impls.items():
-        forward = lambda fn=fn: fn(*leaves)  # noqa: E731
-
-        def clear():
-            for t in leaves:
-                t.grad = None
-
-        def fwd_only(forward=forward):
-            with torch.no_grad():
-                forward()
-
-        def fwd_bwd(forward=forward):
-            torch.autograd.backward(forward(), grads)
-
-        state = {}
-
-        def make_graph(forward=forward):
-            clear()
-            state["out"] = forward()
-
-        def bwd_only():
-            torch.autograd.backward(state.pop("out"), grads)
-
-        saved = saved_bytes(lambda forward=forward: forward()[0], leaves)
-        rows.append(Row("qkv_project", label, dname, "fwd", impl,
-                        median_ms(fwd_only, device, repeats=repeats, warmup=warmup),
-                        peak_bytes=peak_bytes(fwd_only, device)))
-        rows.append(Row("qkv_project", label, dname, "bwd", impl,
-                        median_ms(bwd_only, device, repeats=repeats, warmup=warmup, setup=make_graph)))
-        rows.append(Row("qkv_project", label, dname, "fwd+bwd", impl,
-                        median_ms(fwd_bwd, device, repeats=repeats, warmup=warmup, setup=clear),
-                        saved_bytes=saved, peak_bytes=peak_bytes(fwd_bwd, device)))
-        clear()
+    forwards = {name: (lambda fn=fn: fn(*leaves)) for name, fn in impls.items()}
+    rows = time_modes("qkv_project", label, dname, device, repeats, forwards, leaves,
+                      lambda outs: torch.autograd.backward(outs, grads))
     # The bare GEMM the op contains (SPEC section 7: the GPU target is within 1.1x of it).
     x2, w2 = x.detach().reshape(b * s, dm), weight.detach()
     gemm = lambda: torch.mm(x2, w2.t())  # noqa: E731
-    ms = median_ms(gemm, device, repeats=repeats, warmup=warmup)
+    ms = median_ms(gemm, device, repeats=repeats, warmup=3)
     rows.append(Row("qkv_gemm", label, dname, "fwd", "gemm", ms))
     return rows

@@ -109,3 +109,51 @@ class Row:
     ms: float
     saved_bytes: Optional[int] = None
     peak_bytes: Optional[int] = None
+
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+def time_modes(op: str, label: str, dtype: str, device: torch.device, repeats: int,
+               impls: dict[str, Callable[[], object]], leaves: list[torch.Tensor],
+               backward: Callable[[object], None], modes=MODES, warmup: int = 3) -> list[Row]:
+    """Rows for each implementation and mode: ``impls`` maps a name (eager, compile,
+    headwise) to ``forward()``, which returns the op's outputs; ``backward(outputs)``
+    runs their backward. ``fwd`` runs under no_grad; ``bwd`` times the backward of a
+    graph built untimed; ``fwd+bwd`` also reports the bytes saved for backward. The
+    leaves' gradients are cleared before every timed backward."""
+    rows = []
+    for impl, forward in impls.items():
+        def clear():
+            for x in leaves:
+                x.grad = None
+
+        def fwd_only(forward=forward):
+            with torch.no_grad():
+                forward()
+
+        def fwd_bwd(forward=forward):
+            backward(forward())
+
+        state = {}
+
+        def make_graph(forward=forward):
+            clear()
+            state["out"] = forward()
+
+        def bwd_only():
+            backward(state.pop("out"))
+
+        if "fwd" in modes:
+            rows.append(Row(op, label, dtype, "fwd", impl, median_ms(fwd_only, device, repeats=repeats, warmup=warmup),
+                            peak_bytes=peak_bytes(fwd_only, device)))
+        if "bwd" in modes:
+            rows.append(Row(op, label, dtype, "bwd", impl,
+                            median_ms(bwd_only, device, repeats=repeats, warmup=warmup, setup=make_graph)))
+        if "fwd+bwd" in modes:
+            saved = saved_bytes(forward, leaves)
+            rows.append(Row(op, label, dtype, "fwd+bwd", impl,
+                            median_ms(fwd_bwd, device, repeats=repeats, warmup=warmup, setup=clear),
+                            saved_bytes=saved, peak_bytes=peak_bytes(fwd_bwd, device)))
+        clear()
+    return rows
