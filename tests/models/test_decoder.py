@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-import headwise
 from headwise.models import Decoder, DecoderConfig
 from headwise.testing import rel_err
 
