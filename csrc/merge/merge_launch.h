@@ -4,6 +4,7 @@
 // emulator: head_merge_sim), so both run exactly the same launch logic.
 #pragma once
 
+#include "../common/backend_device.h"
 #include "../common/dispatch.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
@@ -19,22 +20,15 @@
 
 namespace headwise {
 namespace merge {
-#if HW_SIM
-#define HW_MERGE_ENTRY(name) name##_sim
+#define HW_MERGE_ENTRY(name) HW_BACKEND_ENTRY(name)
 namespace {
-constexpr const char* kBackend = "the emulated CUDA backend (torch.ops.headwise_sim) takes CPU tensors";
-inline bool on_backend_device(const at::Tensor& t) { return t.device().is_cpu(); }
-#else
-#define HW_MERGE_ENTRY(name) name##_cuda
-namespace {
-constexpr const char* kBackend = "the CUDA backend takes CUDA tensors";
-inline bool on_backend_device(const at::Tensor& t) { return t.is_cuda(); }
-#endif
+using hw::kBackendDevice;
+using hw::on_backend_device;
 
 constexpr int64_t kMaxGridYZ = 65535;
 
 inline void check_backend(const at::Tensor& z, const Shape& s, const char* op) {
-  TORCH_CHECK(on_backend_device(z), "headwise.", op, ": z is on ", z.device(), " but ", kBackend);
+  TORCH_CHECK(on_backend_device(z), "headwise.", op, ": z is on ", z.device(), " but ", kBackendDevice);
   dispatch_storage_dtype(z.scalar_type(), op, "z", [](auto) {});
   TORCH_CHECK_VALUE((s.seq + kBM - 1) / kBM <= kMaxGridYZ && (s.d + kBM - 1) / kBM <= kMaxGridYZ &&
                         s.batch * s.heads <= kMaxGridYZ,

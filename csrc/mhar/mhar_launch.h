@@ -4,6 +4,7 @@
 // emulator: route_sim), so both run exactly the same launch logic.
 #pragma once
 
+#include "../common/backend_device.h"
 #include "../common/dispatch.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
@@ -19,17 +20,10 @@
 
 namespace headwise {
 namespace mhar {
-#if HW_SIM
-#define HW_MHAR_ENTRY(name) name##_sim
+#define HW_MHAR_ENTRY(name) HW_BACKEND_ENTRY(name)
 namespace {
-constexpr const char* kBackend = "the emulated CUDA backend (torch.ops.headwise_sim) takes CPU tensors";
-inline bool on_backend_device(const at::Tensor& t) { return t.device().is_cpu(); }
-#else
-#define HW_MHAR_ENTRY(name) name##_cuda
-namespace {
-constexpr const char* kBackend = "the CUDA backend takes CUDA tensors";
-inline bool on_backend_device(const at::Tensor& t) { return t.is_cuda(); }
-#endif
+using hw::kBackendDevice;
+using hw::on_backend_device;
 
 // Largest d of the device kernels: 8192 / VEC vectors over at most 1024 threads.
 constexpr int64_t kMaxDim = 8192;
@@ -133,7 +127,7 @@ inline at::Tensor gate_as_float(const c10::optional<at::Tensor>& gate) {
 
 inline void check_backend(const at::Tensor& sources, const Shape& s, const char* op) {
   TORCH_CHECK(on_backend_device(sources), "headwise.", op, ": sources is on ", sources.device(),
-              " but ", kBackend);
+              " but ", kBackendDevice);
   dispatch_storage_dtype(sources.scalar_type(), op, "sources", [](auto) {});
   TORCH_CHECK_VALUE(s.d <= kMaxDim, "headwise.", op, ": d = ", s.d,
                     " exceeds the largest d of the CUDA kernels (", kMaxDim, ")");

@@ -5,6 +5,7 @@
 // where at::mm runs on the CPU), so both run exactly the same launch logic.
 #pragma once
 
+#include "../common/backend_device.h"
 #include "../common/dispatch.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
@@ -20,17 +21,10 @@
 
 namespace headwise {
 namespace qkv {
-#if HW_SIM
-#define HW_QKV_ENTRY(name) name##_sim
+#define HW_QKV_ENTRY(name) HW_BACKEND_ENTRY(name)
 namespace {
-constexpr const char* kBackend = "the emulated CUDA backend (torch.ops.headwise_sim) takes CPU tensors";
-inline bool on_backend_device(const at::Tensor& t) { return t.device().is_cpu(); }
-#else
-#define HW_QKV_ENTRY(name) name##_cuda
-namespace {
-constexpr const char* kBackend = "the CUDA backend takes CUDA tensors";
-inline bool on_backend_device(const at::Tensor& t) { return t.is_cuda(); }
-#endif
+using hw::kBackendDevice;
+using hw::on_backend_device;
 
 // Forward grid cap (blocks loop over tokens beyond it), and the fixed persistent grid of
 // the backward (so that the norm-weight reduction order does not depend on the device).
@@ -55,7 +49,7 @@ void dispatch_items(const Shape& s, F&& f) {
 }
 
 inline void check_backend(const at::Tensor& x, const Shape& s, const char* op) {
-  TORCH_CHECK(on_backend_device(x), "headwise.", op, ": x is on ", x.device(), " but ", kBackend);
+  TORCH_CHECK(on_backend_device(x), "headwise.", op, ": x is on ", x.device(), " but ", kBackendDevice);
   dispatch_storage_dtype(x.scalar_type(), op, "x", [](auto) {});
   TORCH_CHECK_VALUE(widest_head(s) <= kMaxWidth, "headwise.", op, ": head widths up to ", kMaxWidth,
                     " are supported by the CUDA kernels, got head_dim ", s.d, ", v_head_dim ", s.dv);
