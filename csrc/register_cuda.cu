@@ -1,4 +1,5 @@
 // CUDA implementations of torch.ops.headwise.
+#include "dcmha/dcmha_ops.h"
 #include "mhar/mhar_ops.h"
 #include "qkv/qkv_ops.h"
 
@@ -10,4 +11,6 @@ TORCH_LIBRARY_IMPL(headwise, CUDA, m) {
   m.impl("mhar_route_backward_into", &headwise::mhar::route_backward_into_cuda);
   m.impl("qkv_project", &headwise::qkv::project_cuda);
   m.impl("qkv_project_backward", &headwise::qkv::project_backward_cuda);
+  m.impl("dcmha_compose", &headwise::dcmha::compose_cuda);
+  m.impl("dcmha_compose_backward", &headwise::dcmha::compose_backward_cuda);
 }

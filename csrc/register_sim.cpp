@@ -1,6 +1,7 @@
 // The emulated op library: the CUDA kernels run by the SIMT emulator on CPU tensors,
 // registered as torch.ops.headwise_sim with the schemas of torch.ops.headwise.
 #include "common/simt/simt.h"
+#include "dcmha/dcmha_ops.h"
 #include "mhar/mhar_ops.h"
 #include "qkv/qkv_ops.h"
 #include "common/python_module.h"
@@ -26,4 +27,6 @@ TORCH_LIBRARY_IMPL(headwise_sim, CPU, m) {
   m.impl("mhar_route_backward_into", &headwise::mhar::route_backward_into_sim);
   m.impl("qkv_project", &headwise::qkv::project_sim);
   m.impl("qkv_project_backward", &headwise::qkv::project_backward_sim);
+  m.impl("dcmha_compose", &headwise::dcmha::compose_sim);
+  m.impl("dcmha_compose_backward", &headwise::dcmha::compose_backward_sim);
 }

@@ -1,5 +1,6 @@
 // The op library: schemas of torch.ops.headwise and the CPU implementations.
 // (CUDA implementations: register_cuda.cu.)
+#include "dcmha/dcmha_ops.h"
 #include "mhar/mhar_ops.h"
 #include "qkv/qkv_ops.h"
 #include "common/python_module.h"
@@ -15,4 +16,8 @@ TORCH_LIBRARY_IMPL(headwise, CPU, m) {
   m.impl("mhar_route_backward_into", &headwise::mhar::route_backward_into_cpu);
   m.impl("qkv_project", &headwise::qkv::project_cpu);
   m.impl("qkv_project_backward", &headwise::qkv::project_backward_cpu);
+  m.impl("dcmha_compose", &headwise::dcmha::compose_cpu);
+  m.impl("dcmha_compose_backward", &headwise::dcmha::compose_backward_cpu);
+  m.impl("dcmha_attention", &headwise::dcmha::attention_cpu);
+  m.impl("dcmha_attention_backward", &headwise::dcmha::attention_backward_cpu);
 }

@@ -9,11 +9,16 @@ import torch  # noqa: F401  (the op libraries link against libtorch)
 
 from . import _C, _sim  # noqa: F401  (load torch.ops.headwise and torch.ops.headwise_sim)
 from . import models, nn, reference, testing
+from .dcmha import DCMHAWeights
 from .depth_buffer import DepthBuffer
-from .ops import kv_project, mhar_route, q_project, qkv_project
+from .ops import dcmha_attention, dcmha_compose, dcmha_weights, kv_project, mhar_route, q_project, qkv_project
 from .qkv_layout import QKVLayout, QKVManifest, from_hf_attention, from_multihead_attention
 
 __all__ = [
+    "DCMHAWeights",
+    "dcmha_attention",
+    "dcmha_compose",
+    "dcmha_weights",
     "DepthBuffer",
     "QKVLayout",
     "QKVManifest",

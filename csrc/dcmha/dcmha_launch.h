@@ -1,0 +1,124 @@
+// Host side of the DCMHA compose kernels: checks, launches, and the backend entries of
+// dcmha_ops.h. Compiled once as the CUDA backend (dcmha_cuda.cu, nvcc) and once as the
+// emulated backend (dcmha_sim.cpp, host compiler against the SIMT emulator).
+#pragma once
+
+#include "../common/dispatch.h"
+#include "../common/op_range.h"
+#include "../common/outputs.h"
+#include "dcmha_args.h"
+#include "dcmha_kernel.cuh"
+#include "dcmha_ops.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+
+#include <tuple>
+
+namespace headwise {
+namespace dcmha {
+#if HW_SIM
+#define HW_DCMHA_ENTRY(name) name##_sim
+namespace {
+constexpr const char* kBackend = "the emulated CUDA backend (torch.ops.headwise_sim) takes CPU tensors";
+inline bool on_backend_device(const at::Tensor& t) { return t.device().is_cpu(); }
+#else
+#define HW_DCMHA_ENTRY(name) name##_cuda
+namespace {
+constexpr const char* kBackend = "the CUDA backend takes CUDA tensors";
+inline bool on_backend_device(const at::Tensor& t) { return t.is_cuda(); }
+#endif
+
+inline void check_backend(const at::Tensor& a, const Shape& s, const char* op) {
+  TORCH_CHECK(on_backend_device(a), "headwise.", op, ": a is on ", a.device(), " but ", kBackend);
+  dispatch_storage_dtype(a.scalar_type(), op, "a", [](auto) {});
+  TORCH_CHECK_VALUE(s.heads <= kMaxHeads, "headwise.", op, ": H = ", s.heads,
+                    " exceeds the most heads of the CUDA compose kernel (", kMaxHeads, ")");
+}
+
+inline ComposeParams make_params(const Shape& s, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
+                                 int64_t slot) {
+  ComposeParams p{};
+  p.w1 = w1.data_ptr<float>();
+  p.w2 = w2.data_ptr<float>();
+  p.g = g.data_ptr<float>();
+  p.T = static_cast<int>(s.seq);
+  p.H = static_cast<int>(s.heads);
+  p.hg = static_cast<int>(s.heads / s.head_groups);
+  p.cq = static_cast<int>(2 * slot);
+  p.ck = p.cq + 1;
+  return p;
+}
+
+inline size_t query_smem_bytes(const Shape& s) {
+  return static_cast<size_t>(2 * kR * s.heads + s.heads + 64) * sizeof(float);
+}
+
+}  // namespace
+
+at::Tensor HW_DCMHA_ENTRY(compose)(const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2,
+                                   const at::Tensor& g, int64_t slot, int64_t head_groups) {
+  HW_OP_RANGE("headwise::dcmha_compose");
+  const Shape s = check_compose_args(a, w1, w2, g, slot, head_groups);
+  check_backend(a, s, "dcmha_compose");
+  const at::OptionalDeviceGuard device_guard(a.device());
+  const at::Tensor x = a.contiguous();
+  const at::Tensor w1f = w1.to(at::kFloat).contiguous(), w2f = w2.to(at::kFloat).contiguous(),
+                   gf = g.to(at::kFloat).contiguous();
+  at::Tensor out = new_output(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  ComposeParams p = make_params(s, w1f, w2f, gf, slot);
+  p.a = x.data_ptr();
+  p.out = out.data_ptr();
+  dispatch_storage_dtype(a.scalar_type(), "dcmha_compose", "a", [&](auto tag) {
+    using T = decltype(tag);
+    HW_LAUNCH("dcmha_compose_fwd", dcmha_compose_fwd<T>,
+              dim3(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch)), dim3(kComposeThreads),
+              query_smem_bytes(s), p);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compose_backward)(
+    const at::Tensor& grad, const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
+    int64_t slot, int64_t head_groups) {
+  HW_OP_RANGE("headwise::dcmha_compose_backward");
+  const Shape s = check_compose_args(a, w1, w2, g, slot, head_groups);
+  check_backend(a, s, "dcmha_compose_backward");
+  TORCH_CHECK_VALUE(grad.sizes() == a.sizes(), "headwise.dcmha_compose_backward: grad must have the shape of a ",
+                    shape_str(a), ", got ", shape_str(grad));
+  check_same_dtype("dcmha_compose_backward", grad, "grad", a, "a");
+  const at::OptionalDeviceGuard device_guard(a.device());
+  const at::Tensor x = a.contiguous(), dy = grad.contiguous();
+  const at::Tensor w1f = w1.to(at::kFloat).contiguous(), w2f = w2.to(at::kFloat).contiguous(),
+                   gf = g.to(at::kFloat).contiguous();
+  at::Tensor da = new_output(x.sizes(), x.options());
+  // Slots other than (cq, ck) get zero gradients; the kernels write every element of theirs.
+  at::Tensor dw1 = at::zeros(w1f.sizes(), w1f.options());
+  at::Tensor dw2 = at::zeros(w2f.sizes(), w2f.options());
+  at::Tensor dg = at::zeros(gf.sizes(), gf.options());
+  if (x.numel() > 0) {
+    ComposeParams p = make_params(s, w1f, w2f, gf, slot);
+    p.a = x.data_ptr();
+    p.grad = dy.data_ptr();
+    p.out = da.data_ptr();
+    p.dw1 = dw1.data_ptr<float>();
+    p.dw2 = dw2.data_ptr<float>();
+    p.dg = dg.data_ptr<float>();
+    dispatch_storage_dtype(a.scalar_type(), "dcmha_compose_backward", "a", [&](auto tag) {
+      using T = decltype(tag);
+      HW_LAUNCH("dcmha_compose_bwd_query", dcmha_compose_bwd_query<T>,
+                dim3(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch)), dim3(kComposeThreads),
+                query_smem_bytes(s), p);
+      HW_LAUNCH("dcmha_compose_bwd_key", dcmha_compose_bwd_key<T>,
+                dim3(static_cast<unsigned>((s.seq + kKeyColumns - 1) / kKeyColumns), static_cast<unsigned>(s.batch)),
+                dim3(kKeyColumns), 0, p);
+    });
+  } else {
+    da.zero_();
+  }
+  return {da, dw1.to(w1.scalar_type()), dw2.to(w2.scalar_type()), dg.to(g.scalar_type())};
+}
+
+}  // namespace dcmha
+}  // namespace headwise
