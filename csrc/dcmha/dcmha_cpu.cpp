@@ -71,112 +71,6 @@ constexpr int64_t kKeyBlock = 64;  // keys per task of the key-side backward pas
 
 }  // namespace
 
-at::Tensor compose_cpu(const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
-                       int64_t slot, int64_t head_groups) {
-  HW_OP_RANGE("headwise::dcmha_compose");
-  const Shape s = check_compose_args(a, w1, w2, g, slot, head_groups);
-  TORCH_CHECK(a.device().is_cpu(), "headwise.dcmha_compose: a is on ", a.device(), " but the CPU backend takes CPU tensors");
-  const auto acc = acc_dtype(a);
-  const at::Tensor x = a.to(acc).contiguous();
-  const Weights w(w1, w2, g, acc);
-  at::Tensor out = new_output(x.sizes(), x.options());
-  const int64_t B = s.batch, H = s.heads, T = s.seq;
-  if (x.numel() == 0) return out.to(a.scalar_type());
-  dispatch_acc(acc, [&](auto tag) {
-    using A = decltype(tag);
-    const A* xp = x.data_ptr<A>();
-    A* op = out.data_ptr<A>();
-    at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
-      std::vector<A> scratch(2 * cpu::R * kCols);
-      for (int64_t row = begin; row < end; ++row) {
-        const int64_t b = row / T, t = row % T;
-        const auto sw = w.at_batch<A>(b, T, H, s.head_groups, 2 * slot, 2 * slot + 1);
-        const int64_t base = b * H * T * T + t * T;
-        for (int64_t s0 = 0; s0 < T; s0 += kCols) {
-          const int64_t nk = std::min(kCols, T - s0);
-          cpu::compose_fwd<A>(sw, Tile<const A>{xp + base + s0, T * T, T}, Tile<A>{op + base + s0, T * T, T}, t, 1,
-                              s0, nk, scratch.data());
-        }
-      }
-    });
-  });
-  return out.to(a.scalar_type());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compose_backward_cpu(
-    const at::Tensor& grad, const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
-    int64_t slot, int64_t head_groups) {
-  HW_OP_RANGE("headwise::dcmha_compose_backward");
-  const Shape s = check_compose_args(a, w1, w2, g, slot, head_groups);
-  TORCH_CHECK_VALUE(grad.sizes() == a.sizes(), "headwise.dcmha_compose_backward: grad must have the shape of a ",
-                    shape_str(a), ", got ", shape_str(grad));
-  const auto acc = acc_dtype(a);
-  const at::Tensor x = a.to(acc).contiguous();
-  const at::Tensor dy = grad.to(acc).contiguous();
-  const Weights w(w1, w2, g, acc);
-  const int64_t B = s.batch, H = s.heads, T = s.seq, R = kRank;
-  at::Tensor dx = new_output(x.sizes(), x.options());
-  at::Tensor dw1 = at::zeros({B, T, kSlots, R, H}, x.options());
-  at::Tensor dw2 = at::zeros({B, T, kSlots, R, H}, x.options());
-  at::Tensor dg = at::zeros({B, T, kSlots, H}, x.options());
-  // Key-side grads, transposed [B, R, H, T] / [B, H, T]; added into slot ck at the end.
-  at::Tensor kw1 = at::zeros({B, R, H, T}, x.options());
-  at::Tensor kw2 = at::zeros({B, R, H, T}, x.options());
-  at::Tensor kg = at::zeros({B, H, T}, x.options());
-  const int cq = static_cast<int>(2 * slot), ck = cq + 1;
-  if (x.numel() > 0) {
-    dispatch_acc(acc, [&](auto tag) {
-      using A = decltype(tag);
-      const A* xp = x.data_ptr<A>();
-      const A* dyp = dy.data_ptr<A>();
-      A* dxp = dx.data_ptr<A>();
-      // Pass 1, per query row t: grad_a and the query-side weight grads (sum over s).
-      at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
-        std::vector<A> scratch(4 * R * kCols);
-        for (int64_t row = begin; row < end; ++row) {
-          const int64_t b = row / T, t = row % T;
-          const auto sw = w.at_batch<A>(b, T, H, s.head_groups, cq, ck);
-          const int64_t base = b * H * T * T + t * T;
-          ComposeGrads<A> gr;
-          gr.q_w1 = dw1.data_ptr<A>() + ((b * T + t) * kSlots + cq) * R * H;
-          gr.q_w2 = dw2.data_ptr<A>() + ((b * T + t) * kSlots + cq) * R * H;
-          gr.q_g = dg.data_ptr<A>() + ((b * T + t) * kSlots + cq) * H;
-          for (int64_t s0 = 0; s0 < T; s0 += kCols) {
-            const int64_t nk = std::min(kCols, T - s0);
-            cpu::compose_bwd<A>(sw, Tile<const A>{xp + base + s0, T * T, T}, Tile<const A>{dyp + base + s0, T * T, T},
-                                Tile<A>{dxp + base + s0, T * T, T}, t, 1, s0, nk, gr, scratch.data());
-          }
-        }
-      });
-      // Pass 2, per block of keys: the key-side weight grads, summed over t in order.
-      const int64_t nblocks = (T + kKeyBlock - 1) / kKeyBlock;
-      at::parallel_for(0, B * nblocks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<A> scratch(4 * R * kKeyBlock);
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t b = task / nblocks, s0 = (task % nblocks) * kKeyBlock;
-          const int64_t nk = std::min(kKeyBlock, T - s0);
-          const auto sw = w.at_batch<A>(b, T, H, s.head_groups, cq, ck);
-          ComposeGrads<A> gr;
-          gr.k_w1 = kw1.data_ptr<A>() + b * R * H * T + s0;
-          gr.k_w2 = kw2.data_ptr<A>() + b * R * H * T + s0;
-          gr.k_g = kg.data_ptr<A>() + b * H * T + s0;
-          gr.ks = T;
-          for (int64_t t = 0; t < T; ++t) {
-            const int64_t base = b * H * T * T + t * T + s0;
-            cpu::compose_bwd<A>(sw, Tile<const A>{xp + base, T * T, T}, Tile<const A>{dyp + base, T * T, T},
-                                Tile<A>{nullptr, 0, 0}, t, 1, s0, nk, gr, scratch.data());
-          }
-        }
-      });
-    });
-    dw1.select(2, ck).copy_(kw1.permute({0, 3, 1, 2}));
-    dw2.select(2, ck).copy_(kw2.permute({0, 3, 1, 2}));
-    dg.select(2, ck).copy_(kg.permute({0, 2, 1}));
-  }
-  return {dx.to(a.scalar_type()), dw1.to(w1.scalar_type()), dw2.to(w2.scalar_type()), dg.to(g.scalar_type())};
-}
-
-
 // ---------------------------------------------------------------------------------------
 // Fused attention. A task owns (b, query tile) in the forward and in the backward's
 // query pass, and (b, key tile) in the backward's key pass; every tile holds all H heads.
@@ -214,24 +108,29 @@ struct Geometry {
 };
 
 // out[i][j] = scale * <rows[i], colsT[:, j]> for i < nq, j < TK; colsT [d][TK] (zero padded).
+// The TK accumulators of a row stay in vector registers.
 template <typename A>
-inline void dot_tile(const A* rows, int64_t nq, int64_t d, const A* colsT, A scale, A* out) {
+HW_CPU_INLINE void dot_tile(const A* rows, int64_t nq, int64_t d, const A* colsT, A scale, A* out) {
+  using V = ::headwise::cpu::vec_t<A>;
+  constexpr int L = ::headwise::cpu::Simd<A>::lanes;
+  constexpr int NV = TK / L;
   for (int64_t i = 0; i < nq; ++i) {
-    A acc[TK] = {};
+    V acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = ::headwise::cpu::vzero<A>();
     const A* r = rows + i * d;
     for (int64_t e = 0; e < d; ++e) {
       const A x = r[e];
       const A* c = colsT + e * TK;
-      for (int64_t j = 0; j < TK; ++j) acc[j] += x * c[j];
+      for (int v = 0; v < NV; ++v) acc[v] += x * ::headwise::cpu::vload(c + v * L);
     }
-    A* o = out + i * TK;
-    for (int64_t j = 0; j < TK; ++j) o[j] = acc[j] * scale;
+    for (int v = 0; v < NV; ++v) acc[v] *= scale;
+    std::memcpy(out + i * TK, acc, sizeof(acc));
   }
 }
 
 // colsT[e][j] = src[(s0 + j) * d + e] for j < nk, 0 beyond.
 template <typename A>
-inline void transpose_tile(const A* src, int64_t nk, int64_t d, A* colsT) {
+HW_CPU_INLINE void transpose_tile(const A* src, int64_t nk, int64_t d, A* colsT) {
   std::fill(colsT, colsT + d * TK, A(0));
   for (int64_t j = 0; j < nk; ++j)
     for (int64_t e = 0; e < d; ++e) colsT[e * TK + j] = src[j * d + e];
@@ -249,13 +148,13 @@ struct TileMath {
   A* scratch;  // 4 R TK
 
   // L[h][i][:] for the tile (kT: [H][dh][TK] transposed keys of the tile).
-  void logits(const A* kT, int64_t t0, int64_t nq, A* L) const {
+  HW_CPU_INLINE void logits(const A* kT, int64_t t0, int64_t nq, A* L) const {
     const int64_t H = geo.H, T = geo.T, dh = geo.dh;
     for (int64_t h = 0; h < H; ++h)
       dot_tile(q + (h * T + t0) * dh, nq, dh, kT + h * dh * TK, static_cast<A>(geo.scale), L + h * TQ * TK);
   }
   // Lc = pre-compose(L) with masked (and padding) entries at -inf.
-  void compose_pre(const A* L, A* Lc, int64_t t0, int64_t nq, int64_t s0, int64_t nk) const {
+  HW_CPU_INLINE void compose_pre(const A* L, A* Lc, int64_t t0, int64_t nq, int64_t s0, int64_t nk) const {
     const int64_t H = geo.H;
     cpu::compose_fwd<A>(pre, Tile<const A>{L, TQ * TK, TK}, Tile<A>{Lc, TQ * TK, TK}, t0, nq, s0, nk, scratch);
     const A ninf = -std::numeric_limits<A>::infinity();
@@ -265,19 +164,24 @@ struct TileMath {
           for (int64_t h = 0; h < H; ++h) Lc[(h * TQ + i) * TK + j] = ninf;
   }
   // In place: P = exp(Lc - m) / l (0 where masked or l = 0); m, l: [H][T] of the batch row.
-  void normalize(A* P, const A* m, const A* l, int64_t t0, int64_t nq) const {
+  HW_CPU_INLINE void normalize(A* P, const A* m, const A* l, int64_t t0, int64_t nq) const {
     for (int64_t h = 0; h < geo.H; ++h)
       for (int64_t i = 0; i < nq; ++i) {
         const A mi = m[h * geo.T + t0 + i], li = l[h * geo.T + t0 + i];
-        const A inv = li > A(0) ? A(1) / li : A(0);
         A* p = P + (h * TQ + i) * TK;
-        for (int64_t j = 0; j < TK; ++j) p[j] = p[j] == -std::numeric_limits<A>::infinity() ? A(0) : std::exp(p[j] - mi) * inv;
+        if (!(li > A(0))) {  // a fully masked row
+          std::fill(p, p + TK, A(0));
+          continue;
+        }
+        const A inv = A(1) / li;
+        cpu::exp_row(p, mi, p, TK);
+        for (int64_t j = 0; j < TK; ++j) p[j] *= inv;
       }
   }
 };
 
 template <typename A>
-void attention_fwd_task(const Geometry& geo, const TileMath<A>& tm, int64_t t0, A* out /*[H][T][dv] batch row*/,
+HW_CPU_INLINE void attention_fwd_task(const Geometry& geo, const TileMath<A>& tm, int64_t t0, A* out /*[H][T][dv] batch row*/,
                         A* m, A* l /*[H][T] batch row*/, A* buf) {
   const int64_t H = geo.H, T = geo.T, dh = geo.dh, dv = geo.dv;
   const int64_t nq = std::min(TQ, T - t0);
@@ -310,9 +214,11 @@ void attention_fwd_task(const Geometry& geo, const TileMath<A>& tm, int64_t t0, 
             A& mi = m[h * T + t0 + i];
             A& li = l[h * T + t0 + i];
             const A mn = std::max(mi, mx);
-            A sum = 0;
-            for (int64_t j = 0; j < TK; ++j) sum += x[j] == ninf ? A(0) : std::exp(x[j] - mn);
-            li = li * std::exp(mi - mn) + sum;  // exp(-inf) = 0 on the first tile
+            A e[TK];
+            cpu::exp_row(x, mn, e, TK);
+            A sum[1];
+            ::headwise::cpu::sums<1, A>(TK, [&](auto ld, auto (&t)[1]) { t[0] = ld(static_cast<const A*>(e)); }, sum);
+            li = li * std::exp(mi - mn) + sum[0];  // exp(-inf) = 0 on the first tile
             mi = mn;
           }
       } else {
@@ -320,15 +226,9 @@ void attention_fwd_task(const Geometry& geo, const TileMath<A>& tm, int64_t t0, 
         cpu::compose_fwd<A>(tm.post, Tile<const A>{Lc, TQ * TK, TK}, Tile<A>{Lc, TQ * TK, TK}, t0, nq, s0, nk,
                             tm.scratch);
         for (int64_t h = 0; h < H; ++h)
-          for (int64_t i = 0; i < nq; ++i) {
-            A* o = O + (h * TQ + i) * dv;
-            const A* p = Lc + (h * TQ + i) * TK;
-            for (int64_t j = 0; j < nk; ++j) {
-              const A pj = p[j];
-              const A* vr = tm.v + (h * T + s0 + j) * dv;
-              for (int64_t e = 0; e < dv; ++e) o[e] += pj * vr[e];
-            }
-          }
+          for (int64_t i = 0; i < nq; ++i)
+            cpu::accumulate_rows(O + (h * TQ + i) * dv, Lc + (h * TQ + i) * TK, 1, nk, tm.v + (h * T + s0) * dv, dv,
+                                 dv);
       }
     }
   }
@@ -342,42 +242,6 @@ inline Geometry make_geometry(const AttnShape& s, bool causal, int64_t window, d
 }
 
 }  // namespace
-
-std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                 const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
-                                                 bool causal, int64_t window, double scale, int64_t head_groups) {
-  HW_OP_RANGE("headwise::dcmha_attention");
-  const AttnShape s = check_attention_args(q, k, v, w1, w2, g, window, head_groups);
-  TORCH_CHECK(q.device().is_cpu(), "headwise.dcmha_attention: q is on ", q.device(),
-              " but the CPU backend takes CPU tensors");
-  const auto acc = acc_dtype(q);
-  const at::Tensor qa = q.to(acc).contiguous(), ka = k.to(acc).contiguous(), va = v.to(acc).contiguous();
-  const Weights w(w1, w2, g, acc);
-  const Geometry geo = make_geometry(s, causal, window, scale);
-  at::Tensor out = new_output({s.batch, s.heads, s.seq, s.v_dim}, qa.options());
-  at::Tensor stats = new_output({2, s.batch, s.heads, s.seq}, qa.options());
-  const int64_t B = geo.B, H = geo.H, T = geo.T;
-  if (B * T > 0) {
-    dispatch_acc(acc, [&](auto tag) {
-      using A = decltype(tag);
-      const int64_t nqt = geo.qtiles();
-      at::parallel_for(0, B * nqt, 1, [&](int64_t begin, int64_t end) {
-        std::vector<A> buf(H * geo.dh * TK + 2 * H * TQ * TK + H * TQ * geo.dv);
-        std::vector<A> scratch(4 * cpu::R * TK);
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t b = task / nqt, t0 = (task % nqt) * TQ;
-          TileMath<A> tm{geo, qa.data_ptr<A>() + b * H * T * geo.dh, ka.data_ptr<A>() + b * H * T * geo.dh,
-                         va.data_ptr<A>() + b * H * T * geo.dv, w.at_batch<A>(b, T, H, geo.groups, 0, 1),
-                         w.at_batch<A>(b, T, H, geo.groups, 2, 3), scratch.data()};
-          attention_fwd_task<A>(geo, tm, t0, out.data_ptr<A>() + b * H * T * geo.dv,
-                                stats.data_ptr<A>() + b * H * T, stats.data_ptr<A>() + (B + b) * H * T, buf.data());
-        }
-      });
-    });
-  }
-  return {out.to(q.scalar_type()), stats};
-}
-
 
 namespace {
 
@@ -405,7 +269,7 @@ struct BwdBuffers {
 // (grad of the post-composed probabilities), dP (grad of P; post-compose backward with
 // the post weight grads in `post_grads`). kT/vT must hold the tile's keys and values.
 template <typename A>
-void tile_to_dP(const Geometry& geo, const TileMath<A>& tm, const A* dout, const A* m, const A* l, int64_t t0,
+HW_CPU_INLINE void tile_to_dP(const Geometry& geo, const TileMath<A>& tm, const A* dout, const A* m, const A* l, int64_t t0,
                 int64_t nq, int64_t s0, int64_t nk, BwdBuffers<A>& bb, const ComposeGrads<A>& post_grads) {
   tm.logits(bb.kT, t0, nq, bb.L);
   tm.compose_pre(bb.L, bb.P, t0, nq, s0, nk);
@@ -418,7 +282,7 @@ void tile_to_dP(const Geometry& geo, const TileMath<A>& tm, const A* dout, const
 
 // In place on dP: dL' = P (dP - D) (the softmax backward; 0 where P = 0).
 template <typename A>
-void softmax_bwd(const Geometry& geo, const A* P, A* dP, const A* D, int64_t t0, int64_t nq) {
+HW_CPU_INLINE void softmax_bwd(const Geometry& geo, const A* P, A* dP, const A* D, int64_t t0, int64_t nq) {
   for (int64_t h = 0; h < geo.H; ++h)
     for (int64_t i = 0; i < nq; ++i) {
       const A d = D[h * geo.T + t0 + i];
@@ -432,7 +296,7 @@ void softmax_bwd(const Geometry& geo, const A* P, A* dP, const A* D, int64_t t0,
 // query-side weight grads of slots 0 and 2 (rows t of dw1/dw2/dg), summed over the key
 // tiles in order.
 template <typename A>
-void attention_bwd_query_task(const Geometry& geo, const TileMath<A>& tm, const A* dout, const A* m, const A* l,
+HW_CPU_INLINE void attention_bwd_query_task(const Geometry& geo, const TileMath<A>& tm, const A* dout, const A* m, const A* l,
                               int64_t t0, A* dq, A* D, A* dw1, A* dw2, A* dg, BwdBuffers<A>& bb) {
   const int64_t H = geo.H, T = geo.T, dh = geo.dh, dv = geo.dv, R = kRank;
   const int64_t nq = std::min(TQ, T - t0);
@@ -463,9 +327,9 @@ void attention_bwd_query_task(const Geometry& geo, const TileMath<A>& tm, const 
           for (int64_t i = 0; i < nq; ++i) {
             const A* p = bb.P + (h * TQ + i) * TK;
             const A* x = bb.dP + (h * TQ + i) * TK;
-            A sum = 0;
-            for (int64_t j = 0; j < nk; ++j) sum += p[j] * x[j];
-            D[h * T + t0 + i] += sum;
+            A sum[1];
+            ::headwise::cpu::sums<1, A>(nk, [&](auto ld, auto (&t)[1]) { t[0] = ld(p) * ld(x); }, sum);
+            D[h * T + t0 + i] += sum[0];
           }
         continue;
       }
@@ -476,13 +340,9 @@ void attention_bwd_query_task(const Geometry& geo, const TileMath<A>& tm, const 
       const A scale = static_cast<A>(geo.scale);
       for (int64_t h = 0; h < H; ++h)
         for (int64_t i = 0; i < nq; ++i) {
-          A* o = dQ + (h * TQ + i) * dh;
-          const A* x = bb.dPp + (h * TQ + i) * TK;
-          for (int64_t j = 0; j < nk; ++j) {
-            const A c = x[j] * scale;
-            const A* kr = tm.k + (h * T + s0 + j) * dh;
-            for (int64_t e = 0; e < dh; ++e) o[e] += c * kr[e];
-          }
+          A* x = bb.dPp + (h * TQ + i) * TK;
+          for (int64_t j = 0; j < nk; ++j) x[j] *= scale;
+          cpu::accumulate_rows(dQ + (h * TQ + i) * dh, x, 1, nk, tm.k + (h * T + s0) * dh, dh, dh);
         }
     }
   }
@@ -495,7 +355,7 @@ void attention_bwd_query_task(const Geometry& geo, const TileMath<A>& tm, const 
 // slots 1 and 3 (kw1/kw2 [2][R][H][T], kg [2][H][T] of the batch row), summed over the
 // query tiles in order.
 template <typename A>
-void attention_bwd_key_task(const Geometry& geo, const TileMath<A>& tm, const A* dout, const A* m, const A* l,
+HW_CPU_INLINE void attention_bwd_key_task(const Geometry& geo, const TileMath<A>& tm, const A* dout, const A* m, const A* l,
                             const A* D, int64_t s0, A* dk, A* dv_out, A* kw1, A* kw2, A* kg, BwdBuffers<A>& bb) {
   const int64_t H = geo.H, T = geo.T, dh = geo.dh, dv = geo.dv, R = kRank;
   const int64_t nk = std::min(TK, T - s0);
@@ -524,26 +384,19 @@ void attention_bwd_key_task(const Geometry& geo, const TileMath<A>& tm, const A*
     cpu::compose_fwd<A>(tm.post, Tile<const A>{bb.P, TQ * TK, TK}, Tile<A>{bb.dPp, TQ * TK, TK}, t0, nq, s0, nk,
                         tm.scratch);
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t j = 0; j < nk; ++j) {
-        A* o = dV + (h * TK + j) * dv;
-        for (int64_t i = 0; i < nq; ++i) {
-          const A c = bb.dPp[(h * TQ + i) * TK + j];
-          const A* dr = dout + (h * T + t0 + i) * dv;
-          for (int64_t e = 0; e < dv; ++e) o[e] += c * dr[e];
-        }
-      }
+      for (int64_t j = 0; j < nk; ++j)
+        cpu::accumulate_rows(dV + (h * TK + j) * dv, bb.dPp + h * TQ * TK + j, TK, nq, dout + (h * T + t0) * dv, dv,
+                             dv);
     softmax_bwd(geo, bb.P, bb.dP, D, t0, nq);
     cpu::compose_bwd<A>(tm.pre, Tile<const A>{bb.L, TQ * TK, TK}, Tile<const A>{bb.dP, TQ * TK, TK},
                         Tile<A>{bb.dPp, TQ * TK, TK}, t0, nq, s0, nk, kgrads(0), tm.scratch);
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t j = 0; j < nk; ++j) {
-        A* o = dK + (h * TK + j) * dh;
-        for (int64_t i = 0; i < nq; ++i) {
-          const A c = bb.dPp[(h * TQ + i) * TK + j] * scale;
-          const A* qr = tm.q + (h * T + t0 + i) * dh;
-          for (int64_t e = 0; e < dh; ++e) o[e] += c * qr[e];
-        }
-      }
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t j = 0; j < nk; ++j) bb.dPp[(h * TQ + i) * TK + j] *= scale;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < nk; ++j)
+        cpu::accumulate_rows(dK + (h * TK + j) * dh, bb.dPp + h * TQ * TK + j, TK, nq, tm.q + (h * T + t0) * dh, dh,
+                             dh);
   }
   for (int64_t h = 0; h < H; ++h)
     for (int64_t j = 0; j < nk; ++j) {
@@ -551,6 +404,44 @@ void attention_bwd_key_task(const Geometry& geo, const TileMath<A>& tm, const A*
       std::copy(dV + (h * TK + j) * dv, dV + (h * TK + j + 1) * dv, dv_out + (h * T + s0 + j) * dv);
     }
 }
+
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#define HW_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define HW_CPU_CLONES
+#endif
+
+// The entries every parallel task calls, compiled for AVX-512, AVX2 and baseline x86-64
+// with runtime selection; everything below them is force-inlined into each clone.
+#define HW_DCMHA_CLONES(A)                                                                                        \
+  HW_CPU_CLONES void compose_fwd_clone(const SlotWeights<A>& w, Tile<const A> X, Tile<A> Y, int64_t t0,             \
+                                       int64_t nq, int64_t s0, int64_t nk, A* scratch) {                           \
+    cpu::compose_fwd<A>(w, X, Y, t0, nq, s0, nk, scratch);                                                         \
+  }                                                                                                                \
+  HW_CPU_CLONES void compose_bwd_clone(const SlotWeights<A>& w, Tile<const A> X, Tile<const A> dY, Tile<A> dX,      \
+                                       int64_t t0, int64_t nq, int64_t s0, int64_t nk, const ComposeGrads<A>& gr,   \
+                                       A* scratch) {                                                               \
+    cpu::compose_bwd<A>(w, X, dY, dX, t0, nq, s0, nk, gr, scratch);                                                \
+  }                                                                                                                \
+  HW_CPU_CLONES void fwd_task_clone(const Geometry& geo, const TileMath<A>& tm, int64_t t0, A* out, A* m, A* l,     \
+                                    A* buf) {                                                                      \
+    attention_fwd_task<A>(geo, tm, t0, out, m, l, buf);                                                            \
+  }                                                                                                                \
+  HW_CPU_CLONES void bwd_query_clone(const Geometry& geo, const TileMath<A>& tm, const A* dout, const A* m,         \
+                                     const A* l, int64_t t0, A* dq, A* D, A* dw1, A* dw2, A* dg,                   \
+                                     BwdBuffers<A>& bb) {                                                          \
+    attention_bwd_query_task<A>(geo, tm, dout, m, l, t0, dq, D, dw1, dw2, dg, bb);                                 \
+  }                                                                                                                \
+  HW_CPU_CLONES void bwd_key_clone(const Geometry& geo, const TileMath<A>& tm, const A* dout, const A* m,           \
+                                   const A* l, const A* D, int64_t s0, A* dk, A* dv_out, A* kw1, A* kw2, A* kg,    \
+                                   BwdBuffers<A>& bb) {                                                            \
+    attention_bwd_key_task<A>(geo, tm, dout, m, l, D, s0, dk, dv_out, kw1, kw2, kg, bb);                           \
+  }
+
+HW_DCMHA_CLONES(float)
+HW_DCMHA_CLONES(double)
+#undef HW_DCMHA_CLONES
 
 }  // namespace
 
@@ -600,7 +491,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         std::vector<A> scratch(4 * R * TK);
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / nqt, t0 = (task % nqt) * TQ;
-          attention_bwd_query_task<A>(geo, tile_math(b, scratch.data()), dout.data_ptr<A>() + b * H * T * geo.dv,
+          bwd_query_clone(geo, tile_math(b, scratch.data()), dout.data_ptr<A>() + b * H * T * geo.dv,
                                       m + b * H * T, l + b * H * T, t0, dq.data_ptr<A>() + b * H * T * geo.dh,
                                       D.data_ptr<A>() + b * H * T, dw1.data_ptr<A>() + b * T * kSlots * R * H,
                                       dw2.data_ptr<A>() + b * T * kSlots * R * H,
@@ -612,7 +503,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         std::vector<A> scratch(4 * R * TK);
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / nkt, s0 = (task % nkt) * TK;
-          attention_bwd_key_task<A>(geo, tile_math(b, scratch.data()), dout.data_ptr<A>() + b * H * T * geo.dv,
+          bwd_key_clone(geo, tile_math(b, scratch.data()), dout.data_ptr<A>() + b * H * T * geo.dv,
                                     m + b * H * T, l + b * H * T, D.data_ptr<A>() + b * H * T, s0,
                                     dk.data_ptr<A>() + b * H * T * geo.dh, dv.data_ptr<A>() + b * H * T * geo.dv,
                                     kw1.data_ptr<A>() + b * 2 * R * H * T, kw2.data_ptr<A>() + b * 2 * R * H * T,
@@ -633,6 +524,149 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const auto dt = q.scalar_type();
   return {dq.to(dt), dk.to(dt), dv.to(dt), dw1.to(w1.scalar_type()), dw2.to(w2.scalar_type()), dg.to(g.scalar_type())};
 }
+
+
+at::Tensor compose_cpu(const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
+                       int64_t slot, int64_t head_groups) {
+  HW_OP_RANGE("headwise::dcmha_compose");
+  const Shape s = check_compose_args(a, w1, w2, g, slot, head_groups);
+  TORCH_CHECK(a.device().is_cpu(), "headwise.dcmha_compose: a is on ", a.device(), " but the CPU backend takes CPU tensors");
+  const auto acc = acc_dtype(a);
+  const at::Tensor x = a.to(acc).contiguous();
+  const Weights w(w1, w2, g, acc);
+  at::Tensor out = new_output(x.sizes(), x.options());
+  const int64_t B = s.batch, H = s.heads, T = s.seq;
+  if (x.numel() == 0) return out.to(a.scalar_type());
+  dispatch_acc(acc, [&](auto tag) {
+    using A = decltype(tag);
+    const A* xp = x.data_ptr<A>();
+    A* op = out.data_ptr<A>();
+    at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
+      std::vector<A> scratch(2 * cpu::R * kCols);
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / T, t = row % T;
+        const auto sw = w.at_batch<A>(b, T, H, s.head_groups, 2 * slot, 2 * slot + 1);
+        const int64_t base = b * H * T * T + t * T;
+        for (int64_t s0 = 0; s0 < T; s0 += kCols) {
+          const int64_t nk = std::min(kCols, T - s0);
+          compose_fwd_clone(sw, Tile<const A>{xp + base + s0, T * T, T}, Tile<A>{op + base + s0, T * T, T}, t, 1,
+                              s0, nk, scratch.data());
+        }
+      }
+    });
+  });
+  return out.to(a.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compose_backward_cpu(
+    const at::Tensor& grad, const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
+    int64_t slot, int64_t head_groups) {
+  HW_OP_RANGE("headwise::dcmha_compose_backward");
+  const Shape s = check_compose_args(a, w1, w2, g, slot, head_groups);
+  TORCH_CHECK_VALUE(grad.sizes() == a.sizes(), "headwise.dcmha_compose_backward: grad must have the shape of a ",
+                    shape_str(a), ", got ", shape_str(grad));
+  const auto acc = acc_dtype(a);
+  const at::Tensor x = a.to(acc).contiguous();
+  const at::Tensor dy = grad.to(acc).contiguous();
+  const Weights w(w1, w2, g, acc);
+  const int64_t B = s.batch, H = s.heads, T = s.seq, R = kRank;
+  at::Tensor dx = new_output(x.sizes(), x.options());
+  at::Tensor dw1 = at::zeros({B, T, kSlots, R, H}, x.options());
+  at::Tensor dw2 = at::zeros({B, T, kSlots, R, H}, x.options());
+  at::Tensor dg = at::zeros({B, T, kSlots, H}, x.options());
+  // Key-side grads, transposed [B, R, H, T] / [B, H, T]; added into slot ck at the end.
+  at::Tensor kw1 = at::zeros({B, R, H, T}, x.options());
+  at::Tensor kw2 = at::zeros({B, R, H, T}, x.options());
+  at::Tensor kg = at::zeros({B, H, T}, x.options());
+  const int cq = static_cast<int>(2 * slot), ck = cq + 1;
+  if (x.numel() > 0) {
+    dispatch_acc(acc, [&](auto tag) {
+      using A = decltype(tag);
+      const A* xp = x.data_ptr<A>();
+      const A* dyp = dy.data_ptr<A>();
+      A* dxp = dx.data_ptr<A>();
+      // Pass 1, per query row t: grad_a and the query-side weight grads (sum over s).
+      at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
+        std::vector<A> scratch(4 * R * kCols);
+        for (int64_t row = begin; row < end; ++row) {
+          const int64_t b = row / T, t = row % T;
+          const auto sw = w.at_batch<A>(b, T, H, s.head_groups, cq, ck);
+          const int64_t base = b * H * T * T + t * T;
+          ComposeGrads<A> gr;
+          gr.q_w1 = dw1.data_ptr<A>() + ((b * T + t) * kSlots + cq) * R * H;
+          gr.q_w2 = dw2.data_ptr<A>() + ((b * T + t) * kSlots + cq) * R * H;
+          gr.q_g = dg.data_ptr<A>() + ((b * T + t) * kSlots + cq) * H;
+          for (int64_t s0 = 0; s0 < T; s0 += kCols) {
+            const int64_t nk = std::min(kCols, T - s0);
+            compose_bwd_clone(sw, Tile<const A>{xp + base + s0, T * T, T}, Tile<const A>{dyp + base + s0, T * T, T},
+                                Tile<A>{dxp + base + s0, T * T, T}, t, 1, s0, nk, gr, scratch.data());
+          }
+        }
+      });
+      // Pass 2, per block of keys: the key-side weight grads, summed over t in order.
+      const int64_t nblocks = (T + kKeyBlock - 1) / kKeyBlock;
+      at::parallel_for(0, B * nblocks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<A> scratch(4 * R * kKeyBlock);
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / nblocks, s0 = (task % nblocks) * kKeyBlock;
+          const int64_t nk = std::min(kKeyBlock, T - s0);
+          const auto sw = w.at_batch<A>(b, T, H, s.head_groups, cq, ck);
+          ComposeGrads<A> gr;
+          gr.k_w1 = kw1.data_ptr<A>() + b * R * H * T + s0;
+          gr.k_w2 = kw2.data_ptr<A>() + b * R * H * T + s0;
+          gr.k_g = kg.data_ptr<A>() + b * H * T + s0;
+          gr.ks = T;
+          for (int64_t t = 0; t < T; ++t) {
+            const int64_t base = b * H * T * T + t * T + s0;
+            compose_bwd_clone(sw, Tile<const A>{xp + base, T * T, T}, Tile<const A>{dyp + base, T * T, T},
+                                Tile<A>{nullptr, 0, 0}, t, 1, s0, nk, gr, scratch.data());
+          }
+        }
+      });
+    });
+    dw1.select(2, ck).copy_(kw1.permute({0, 3, 1, 2}));
+    dw2.select(2, ck).copy_(kw2.permute({0, 3, 1, 2}));
+    dg.select(2, ck).copy_(kg.permute({0, 2, 1}));
+  }
+  return {dx.to(a.scalar_type()), dw1.to(w1.scalar_type()), dw2.to(w2.scalar_type()), dg.to(g.scalar_type())};
+}
+
+
+std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
+                                                 bool causal, int64_t window, double scale, int64_t head_groups) {
+  HW_OP_RANGE("headwise::dcmha_attention");
+  const AttnShape s = check_attention_args(q, k, v, w1, w2, g, window, head_groups);
+  TORCH_CHECK(q.device().is_cpu(), "headwise.dcmha_attention: q is on ", q.device(),
+              " but the CPU backend takes CPU tensors");
+  const auto acc = acc_dtype(q);
+  const at::Tensor qa = q.to(acc).contiguous(), ka = k.to(acc).contiguous(), va = v.to(acc).contiguous();
+  const Weights w(w1, w2, g, acc);
+  const Geometry geo = make_geometry(s, causal, window, scale);
+  at::Tensor out = new_output({s.batch, s.heads, s.seq, s.v_dim}, qa.options());
+  at::Tensor stats = new_output({2, s.batch, s.heads, s.seq}, qa.options());
+  const int64_t B = geo.B, H = geo.H, T = geo.T;
+  if (B * T > 0) {
+    dispatch_acc(acc, [&](auto tag) {
+      using A = decltype(tag);
+      const int64_t nqt = geo.qtiles();
+      at::parallel_for(0, B * nqt, 1, [&](int64_t begin, int64_t end) {
+        std::vector<A> buf(H * geo.dh * TK + 2 * H * TQ * TK + H * TQ * geo.dv);
+        std::vector<A> scratch(4 * cpu::R * TK);
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / nqt, t0 = (task % nqt) * TQ;
+          TileMath<A> tm{geo, qa.data_ptr<A>() + b * H * T * geo.dh, ka.data_ptr<A>() + b * H * T * geo.dh,
+                         va.data_ptr<A>() + b * H * T * geo.dv, w.at_batch<A>(b, T, H, geo.groups, 0, 1),
+                         w.at_batch<A>(b, T, H, geo.groups, 2, 3), scratch.data()};
+          fwd_task_clone(geo, tm, t0, out.data_ptr<A>() + b * H * T * geo.dv,
+                                stats.data_ptr<A>() + b * H * T, stats.data_ptr<A>() + (B + b) * H * T, buf.data());
+        }
+      });
+    });
+  }
+  return {out.to(q.scalar_type()), stats};
+}
+
 
 }  // namespace dcmha
 }  // namespace headwise

@@ -13,8 +13,13 @@
 //   dGk, dW2k, dW1k likewise at s                                                (over t)
 #pragma once
 
+#include "../common/cpu_simd.h"
+
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace headwise {
@@ -56,7 +61,7 @@ struct Tile {
 // Y = compose(X) over rows [0, nq) (t = t0 + i), cols [0, nk) (s = s0 + j). Y may alias X.
 // scratch: 2 * R * nk elements.
 template <typename A>
-void compose_fwd(const SlotWeights<A>& w, Tile<const A> X, Tile<A> Y, int64_t t0, int64_t nq, int64_t s0,
+HW_CPU_INLINE void compose_fwd(const SlotWeights<A>& w, Tile<const A> X, Tile<A> Y, int64_t t0, int64_t nq, int64_t s0,
                  int64_t nk, A* scratch) {
   const int64_t H = w.H, T = w.T, hg = H / w.groups;
   A* pq = scratch;           // [R][nk]
@@ -116,7 +121,7 @@ struct ComposeGrads {
 };
 
 template <typename A>
-void compose_bwd(const SlotWeights<A>& w, Tile<const A> X, Tile<const A> dY, Tile<A> dX, int64_t t0, int64_t nq,
+HW_CPU_INLINE void compose_bwd(const SlotWeights<A>& w, Tile<const A> X, Tile<const A> dY, Tile<A> dX, int64_t t0, int64_t nq,
                  int64_t s0, int64_t nk, const ComposeGrads<A>& gr, A* scratch) {
   const int64_t H = w.H, T = w.T, hg = H / w.groups;
   A* pq = scratch;
@@ -162,19 +167,26 @@ void compose_bwd(const SlotWeights<A>& w, Tile<const A> X, Tile<const A> dY, Til
         if (gr.q_w1 != nullptr) {
           A* qrow1 = gr.q_w1 + i * gr.q_stride;
           A* qrow2 = gr.q_w2 + i * gr.q_stride;
-          A sg = 0, s10 = 0, s11 = 0, s20 = 0, s21 = 0;
-          for (int64_t j = 0; j < nk; ++j) {
-            sg += x[j] * dy[j];
-            s10 += x[j] * dpq[j];
-            s11 += x[j] * dpq[nk + j];
-            s20 += pq[j] * dy[j];
-            s21 += pq[nk + j] * dy[j];
-          }
-          gr.q_g[i * gr.q_gstride + n] += sg;
-          qrow1[n] += s10;
-          qrow1[H + n] += s11;
-          qrow2[n] += s20;
-          qrow2[H + n] += s21;
+          // Fixed-order vector sums over j (the order depends on nk alone).
+          A sum[5];
+          const A* dpq1 = dpq + nk;
+          const A* pq1 = pq + nk;
+          ::headwise::cpu::sums<5, A>(
+              nk,
+              [&](auto ld, auto (&t)[5]) {
+                const auto xv = ld(x), dyv = ld(dy);
+                t[0] = xv * dyv;
+                t[1] = xv * ld(dpq);
+                t[2] = xv * ld(dpq1);
+                t[3] = ld(pq) * dyv;
+                t[4] = ld(pq1) * dyv;
+              },
+              sum);
+          gr.q_g[i * gr.q_gstride + n] += sum[0];
+          qrow1[n] += sum[1];
+          qrow1[H + n] += sum[2];
+          qrow2[n] += sum[3];
+          qrow2[H + n] += sum[4];
         }
         if (gr.k_w1 != nullptr) {
           A* kgn = gr.k_g + n * gr.ks;
@@ -202,6 +214,86 @@ void compose_bwd(const SlotWeights<A>& w, Tile<const A> X, Tile<const A> dY, Til
         }
       }
     }
+  }
+}
+
+// out[j] = exp(x[j] - sub) for j < n, 0 where x[j] = -inf (a masked logit). x - sub <= 0
+// (sub is the row max). float: a branch-free Cephes-style exp that vectorizes (about
+// 2 ulp); double: std::exp (the gradcheck precision).
+template <typename A>
+HW_CPU_INLINE void exp_row(const A* x, A sub, A* out, int64_t n) {
+  if constexpr (std::is_same_v<A, float>) {
+    using V = ::headwise::cpu::vec_t<float>;
+    using I = int32_t __attribute__((vector_size(64)));
+    constexpr int L = ::headwise::cpu::Simd<float>::lanes;
+    auto vexp = [sub](V xv) {
+      const V d = xv - sub;
+      V xc = d < -87.0f ? V{} - 87.0f : d;
+      xc = xc > 88.0f ? V{} + 88.0f : xc;
+      // Round to nearest by the 1.5 * 2^23 trick (exact: no fast-math in this build).
+      const V k = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+      V r = xc - k * 0.693359375f;
+      r = r - k * -2.12194440e-4f;
+      V p = V{} + 1.9875691500E-4f;
+      p = p * r + 1.3981999507E-3f;
+      p = p * r + 8.3334519073E-3f;
+      p = p * r + 4.1665795894E-2f;
+      p = p * r + 1.6666665459E-1f;
+      p = p * r + 5.0000001201E-1f;
+      p = p * r * r + r + 1.0f;
+      const I bits = (__builtin_convertvector(k, I) + 127) << 23;
+      V scale;
+      std::memcpy(&scale, &bits, sizeof(scale));
+      const V y = p * scale;
+      return d < -87.0f ? V{} : y;
+    };
+    int64_t j = 0;
+    for (; j + L <= n; j += L) {
+      const V y = vexp(::headwise::cpu::vload(x + j));
+      std::memcpy(out + j, &y, sizeof(y));
+    }
+    if (j < n) {
+      float tmp[L];
+      for (int k = 0; k < L; ++k) tmp[k] = j + k < n ? x[j + k] : -std::numeric_limits<float>::infinity();
+      const V y = vexp(::headwise::cpu::vload(tmp));
+      std::memcpy(tmp, &y, sizeof(y));
+      for (int k = 0; j + k < n; ++k) out[j + k] = tmp[k];
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const A d = x[j] - sub;
+      out[j] = x[j] == -std::numeric_limits<A>::infinity() ? A(0) : std::exp(d);
+    }
+  }
+}
+
+// out[e] += sum_{j < n} c[j * cs] * rows[j * rs + e] for e < d, summed over j in order,
+// with the output held in vector registers across j (blocks of 4 vectors).
+template <typename A>
+HW_CPU_INLINE void accumulate_rows(A* out, const A* c, int64_t cs, int64_t n, const A* rows, int64_t rs, int64_t d) {
+  using V = ::headwise::cpu::vec_t<A>;
+  constexpr int L = ::headwise::cpu::Simd<A>::lanes;
+  constexpr int NV = 4;
+  int64_t e = 0;
+  for (; e + NV * L <= d; e += NV * L) {
+    V acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = ::headwise::cpu::vload(out + e + v * L);
+    for (int64_t j = 0; j < n; ++j) {
+      const A cj = c[j * cs];
+      const A* r = rows + j * rs + e;
+      for (int v = 0; v < NV; ++v) acc[v] += cj * ::headwise::cpu::vload(r + v * L);
+    }
+    std::memcpy(out + e, acc, sizeof(acc));
+  }
+  for (; e + L <= d; e += L) {
+    V acc = ::headwise::cpu::vload(out + e);
+    for (int64_t j = 0; j < n; ++j) acc += c[j * cs] * ::headwise::cpu::vload(rows + j * rs + e);
+    std::memcpy(out + e, &acc, sizeof(acc));
+  }
+  for (; e < d; ++e) {
+    A acc = out[e];
+    for (int64_t j = 0; j < n; ++j) acc += c[j * cs] * rows[j * rs + e];
+    out[e] = acc;
   }
 }
 

@@ -26,10 +26,10 @@ import sys
 
 import torch
 
-from . import chart, mhar, model, qkv
+from . import chart, dcmha, mhar, model, qkv
 
 # name -> module with run(device, dtype, repeats, shape=None) -> list[Row] and QUICK_SHAPE
-BENCHMARKS = {"mhar": mhar, "qkv": qkv, "model": model}
+BENCHMARKS = {"mhar": mhar, "qkv": qkv, "model": model, "dcmha": dcmha}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
