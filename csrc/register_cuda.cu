@@ -13,4 +13,5 @@ TORCH_LIBRARY_IMPL(headwise, CUDA, m) {
   m.impl("qkv_project_backward", &headwise::qkv::project_backward_cuda);
   m.impl("dcmha_compose", &headwise::dcmha::compose_cuda);
   m.impl("dcmha_compose_backward", &headwise::dcmha::compose_backward_cuda);
+  m.impl("dcmha_attention", &headwise::dcmha::attention_cuda);
 }

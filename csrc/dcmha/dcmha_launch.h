@@ -1,4 +1,4 @@
-// Host side of the DCMHA compose kernels: checks, launches, and the backend entries of
+// Host side of the DCMHA compose and fused attention (forward) kernels: checks, launches, and the backend entries of
 // dcmha_ops.h. Compiled once as the CUDA backend (dcmha_cuda.cu, nvcc) and once as the
 // emulated backend (dcmha_sim.cpp, host compiler against the SIMT emulator).
 #pragma once
@@ -7,6 +7,7 @@
 #include "../common/op_range.h"
 #include "../common/outputs.h"
 #include "dcmha_args.h"
+#include "dcmha_attention_kernel.cuh"
 #include "dcmha_kernel.cuh"
 #include "dcmha_ops.h"
 
@@ -118,6 +119,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
     da.zero_();
   }
   return {da, dw1.to(w1.scalar_type()), dw2.to(w2.scalar_type()), dg.to(g.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& w1,
+                                                            const at::Tensor& w2, const at::Tensor& g, bool causal,
+                                                            int64_t window, double scale, int64_t head_groups) {
+  HW_OP_RANGE("headwise::dcmha_attention");
+  const AttnShape s = check_attention_args(q, k, v, w1, w2, g, window, head_groups);
+  TORCH_CHECK(on_backend_device(q), "headwise.dcmha_attention: q is on ", q.device(), " but ", kBackend);
+  dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [](auto) {});
+  TORCH_CHECK_VALUE(s.heads <= kMaxHeads, "headwise.dcmha_attention: H = ", s.heads,
+                    " exceeds the most heads of the CUDA attention kernel (", kMaxHeads, ")");
+  const size_t smem = static_cast<size_t>(attn_smem_floats(static_cast<int>(s.heads), static_cast<int>(s.head_dim),
+                                                           static_cast<int>(s.v_dim), kAttnThreads)) *
+                      sizeof(float);
+  constexpr size_t kMaxSmem = 227 * 1024;
+  TORCH_CHECK_VALUE(smem <= kMaxSmem, "headwise.dcmha_attention: H * (dh + dv) is too large for the CUDA kernel's ",
+                    "shared memory (", smem, " bytes > ", kMaxSmem, ")");
+  const at::OptionalDeviceGuard device_guard(q.device());
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor w1f = w1.to(at::kFloat).contiguous(), w2f = w2.to(at::kFloat).contiguous(),
+                   gf = g.to(at::kFloat).contiguous();
+  at::Tensor out = new_output({s.batch, s.heads, s.seq, s.v_dim}, q.options());
+  at::Tensor stats = new_output({2, s.batch, s.heads, s.seq}, q.options().dtype(at::kFloat));
+  if (s.batch * s.seq == 0) return {out, stats};
+  AttnParams p{};
+  p.q = qc.data_ptr();
+  p.k = kc.data_ptr();
+  p.v = vc.data_ptr();
+  p.w1 = w1f.data_ptr<float>();
+  p.w2 = w2f.data_ptr<float>();
+  p.g = gf.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.stats = stats.data_ptr<float>();
+  p.B = static_cast<int>(s.batch);
+  p.T = static_cast<int>(s.seq);
+  p.H = static_cast<int>(s.heads);
+  p.hg = static_cast<int>(s.heads / s.head_groups);
+  p.dh = static_cast<int>(s.head_dim);
+  p.dv = static_cast<int>(s.v_dim);
+  p.causal = causal ? 1 : 0;
+  p.window = static_cast<int>(window);
+  p.scale = static_cast<float>(scale);
+  dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = &dcmha_attention_fwd<T>;
+    hw::allow_dynamic_smem(kernel, kMaxSmem);
+    HW_LAUNCH("dcmha_attention_fwd", kernel, dim3(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch)),
+              dim3(kAttnThreads), smem, p);
+  });
+  return {out, stats};
 }
 
 }  // namespace dcmha

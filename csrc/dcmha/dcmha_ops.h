@@ -24,7 +24,11 @@ namespace dcmha {
                               const at::Tensor& g, int64_t slot, int64_t head_groups);             \
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> compose_backward_##suffix(            \
       const at::Tensor& grad, const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2,     \
-      const at::Tensor& g, int64_t slot, int64_t head_groups);
+      const at::Tensor& g, int64_t slot, int64_t head_groups);                                     \
+  std::tuple<at::Tensor, at::Tensor> attention_##suffix(                                           \
+      const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w1,         \
+      const at::Tensor& w2, const at::Tensor& g, bool causal, int64_t window, double scale,        \
+      int64_t head_groups);
 
 HW_DCMHA_DECLARE(cpu)
 HW_DCMHA_DECLARE(cuda)
@@ -32,9 +36,7 @@ HW_DCMHA_DECLARE(sim)
 
 #undef HW_DCMHA_DECLARE
 
-std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                 const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
-                                                 bool causal, int64_t window, double scale, int64_t head_groups);
+// The fused backward has a CPU kernel only (no CUDA / emulated kernel yet).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w1,
     const at::Tensor& w2, const at::Tensor& g, const at::Tensor& stats, bool causal, int64_t window, double scale,
