@@ -128,14 +128,6 @@ HW_CPU_INLINE void dot_tile(const A* rows, int64_t nq, int64_t d, const A* colsT
   }
 }
 
-// colsT[e][j] = src[(s0 + j) * d + e] for j < nk, 0 beyond.
-template <typename A>
-HW_CPU_INLINE void transpose_tile(const A* src, int64_t nk, int64_t d, A* colsT) {
-  std::fill(colsT, colsT + d * TK, A(0));
-  for (int64_t j = 0; j < nk; ++j)
-    for (int64_t e = 0; e < d; ++e) colsT[e * TK + j] = src[j * d + e];
-}
-
 // The tile state shared by all three kernels: logits L (pre-compose, as computed),
 // composed logits -> probabilities P, for rows [t0, t0 + nq) and keys [s0, s0 + nk).
 template <typename A>
@@ -146,12 +138,19 @@ struct TileMath {
   const A* v;
   SlotWeights<A> pre, post;
   A* scratch;  // 4 R TK
+  // Keys and values of the batch row in key-tile layout [H][nt][d][TK] (zero padded), made
+  // once per call: tile kt of head h at kT_all + (h * nt + kt) * dh * TK.
+  const A* kT_all;
+  const A* vT_all;
+  int64_t nt;
+  HW_CPU_INLINE const A* kT(int64_t kt) const { return kT_all + kt * geo.dh * TK; }
+  HW_CPU_INLINE const A* vT(int64_t kt) const { return vT_all + kt * geo.dv * TK; }
 
   // L[h][i][:] for the tile (kT: [H][dh][TK] transposed keys of the tile).
-  HW_CPU_INLINE void logits(const A* kT, int64_t t0, int64_t nq, A* L) const {
+  HW_CPU_INLINE void logits(const A* kT, int64_t t0, int64_t nq, A* L) const {  // kT = this->kT(kt)
     const int64_t H = geo.H, T = geo.T, dh = geo.dh;
     for (int64_t h = 0; h < H; ++h)
-      dot_tile(q + (h * T + t0) * dh, nq, dh, kT + h * dh * TK, static_cast<A>(geo.scale), L + h * TQ * TK);
+      dot_tile(q + (h * T + t0) * dh, nq, dh, kT + h * nt * dh * TK, static_cast<A>(geo.scale), L + h * TQ * TK);
   }
   // Lc = pre-compose(L) with masked (and padding) entries at -inf.
   HW_CPU_INLINE void compose_pre(const A* L, A* Lc, int64_t t0, int64_t nq, int64_t s0, int64_t nk) const {
@@ -183,10 +182,9 @@ struct TileMath {
 template <typename A>
 HW_CPU_INLINE void attention_fwd_task(const Geometry& geo, const TileMath<A>& tm, int64_t t0, A* out /*[H][T][dv] batch row*/,
                         A* m, A* l /*[H][T] batch row*/, A* buf) {
-  const int64_t H = geo.H, T = geo.T, dh = geo.dh, dv = geo.dv;
+  const int64_t H = geo.H, T = geo.T, dv = geo.dv;
   const int64_t nq = std::min(TQ, T - t0);
-  A* kT = buf;                    // H dh TK
-  A* L = kT + H * dh * TK;        // H TQ TK
+  A* L = buf;                     // H TQ TK
   A* Lc = L + H * TQ * TK;        // H TQ TK
   A* O = Lc + H * TQ * TK;        // H TQ dv
   const A ninf = -std::numeric_limits<A>::infinity();
@@ -200,8 +198,7 @@ HW_CPU_INLINE void attention_fwd_task(const Geometry& geo, const TileMath<A>& tm
   for (int pass = 0; pass < 2; ++pass) {
     for (int64_t kt = kt0; kt < kt1; ++kt) {
       const int64_t s0 = kt * TK, nk = std::min(TK, T - s0);
-      for (int64_t h = 0; h < H; ++h) transpose_tile(tm.k + (h * T + s0) * dh, nk, dh, kT + h * dh * TK);
-      tm.logits(kT, t0, nq, L);
+      tm.logits(tm.kT(kt), t0, nq, L);
       tm.compose_pre(L, Lc, t0, nq, s0, nk);
       if (pass == 0) {
         // Per-head running max and sum of the pre-composed, masked logits.
@@ -237,6 +234,13 @@ HW_CPU_INLINE void attention_fwd_task(const Geometry& geo, const TileMath<A>& tm
       std::copy(O + (h * TQ + i) * dv, O + (h * TQ + i + 1) * dv, out + (h * T + t0 + i) * dv);
 }
 
+// x [B, H, T, d] -> [B, H, nt, d, TK]: the key tiles transposed, zero padded to nt * TK.
+inline at::Tensor key_tiles(const at::Tensor& x) {
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), d = x.size(3);
+  const int64_t nt = (T + TK - 1) / TK;
+  return at::constant_pad_nd(x, {0, 0, 0, nt * TK - T}).view({B, H, nt, TK, d}).transpose(3, 4).contiguous();
+}
+
 inline Geometry make_geometry(const AttnShape& s, bool causal, int64_t window, double scale) {
   return Geometry{s.batch, s.heads, s.seq, s.head_dim, s.v_dim, s.head_groups, causal, window, scale};
 }
@@ -248,15 +252,13 @@ namespace {
 // Scratch layout of a backward task.
 template <typename A>
 struct BwdBuffers {
-  A *kT, *vT, *L, *P, *dPp, *dP, *acc_a, *acc_b;
+  A *L, *P, *dPp, *dP, *acc_a, *acc_b;
   std::vector<A> storage;
   BwdBuffers(const Geometry& g) {
     const int64_t H = g.H, tile = H * TQ * TK;
     const int64_t acc = H * std::max(TQ, TK) * std::max(g.dh, g.dv);
-    storage.resize(H * g.dh * TK + H * g.dv * TK + 4 * tile + 2 * acc);
-    kT = storage.data();
-    vT = kT + H * g.dh * TK;
-    L = vT + H * g.dv * TK;
+    storage.resize(4 * tile + 2 * acc);
+    L = storage.data();
     P = L + tile;
     dPp = P + tile;
     dP = dPp + tile;
@@ -271,11 +273,12 @@ struct BwdBuffers {
 template <typename A>
 HW_CPU_INLINE void tile_to_dP(const Geometry& geo, const TileMath<A>& tm, const A* dout, const A* m, const A* l, int64_t t0,
                 int64_t nq, int64_t s0, int64_t nk, BwdBuffers<A>& bb, const ComposeGrads<A>& post_grads) {
-  tm.logits(bb.kT, t0, nq, bb.L);
+  tm.logits(tm.kT(s0 / TK), t0, nq, bb.L);
   tm.compose_pre(bb.L, bb.P, t0, nq, s0, nk);
   tm.normalize(bb.P, m, l, t0, nq);
   for (int64_t h = 0; h < geo.H; ++h)
-    dot_tile(dout + (h * geo.T + t0) * geo.dv, nq, geo.dv, bb.vT + h * geo.dv * TK, A(1), bb.dPp + h * TQ * TK);
+    dot_tile(dout + (h * geo.T + t0) * geo.dv, nq, geo.dv, tm.vT(s0 / TK) + h * tm.nt * geo.dv * TK, A(1),
+             bb.dPp + h * TQ * TK);
   cpu::compose_bwd<A>(tm.post, Tile<const A>{bb.P, TQ * TK, TK}, Tile<const A>{bb.dPp, TQ * TK, TK},
                       Tile<A>{bb.dP, TQ * TK, TK}, t0, nq, s0, nk, post_grads, tm.scratch);
 }
@@ -298,7 +301,7 @@ HW_CPU_INLINE void softmax_bwd(const Geometry& geo, const A* P, A* dP, const A* 
 template <typename A>
 HW_CPU_INLINE void attention_bwd_query_task(const Geometry& geo, const TileMath<A>& tm, const A* dout, const A* m, const A* l,
                               int64_t t0, A* dq, A* D, A* dw1, A* dw2, A* dg, BwdBuffers<A>& bb) {
-  const int64_t H = geo.H, T = geo.T, dh = geo.dh, dv = geo.dv, R = kRank;
+  const int64_t H = geo.H, T = geo.T, dh = geo.dh, R = kRank;
   const int64_t nq = std::min(TQ, T - t0);
   A* dQ = bb.acc_a;  // [H][TQ][dh]
   std::fill(dQ, dQ + H * TQ * dh, A(0));
@@ -317,10 +320,6 @@ HW_CPU_INLINE void attention_bwd_query_task(const Geometry& geo, const TileMath<
   for (int pass = 0; pass < 2; ++pass) {
     for (int64_t kt = kt0; kt < kt1; ++kt) {
       const int64_t s0 = kt * TK, nk = std::min(TK, T - s0);
-      for (int64_t h = 0; h < H; ++h) {
-        transpose_tile(tm.k + (h * T + s0) * dh, nk, dh, bb.kT + h * dh * TK);
-        transpose_tile(tm.v + (h * T + s0) * dv, nk, dv, bb.vT + h * dv * TK);
-      }
       tile_to_dP(geo, tm, dout, m, l, t0, nq, s0, nk, bb, pass == 0 ? qgrads(2) : ComposeGrads<A>{});
       if (pass == 0) {
         for (int64_t h = 0; h < H; ++h)
@@ -363,10 +362,6 @@ HW_CPU_INLINE void attention_bwd_key_task(const Geometry& geo, const TileMath<A>
   A* dV = bb.acc_b;  // [H][TK][dv]
   std::fill(dK, dK + H * TK * dh, A(0));
   std::fill(dV, dV + H * TK * dv, A(0));
-  for (int64_t h = 0; h < H; ++h) {
-    transpose_tile(tm.k + (h * T + s0) * dh, nk, dh, bb.kT + h * dh * TK);
-    transpose_tile(tm.v + (h * T + s0) * dv, nk, dv, bb.vT + h * dv * TK);
-  }
   auto kgrads = [&](int side) {  // side 0: slot 1 (pre), 1: slot 3 (post)
     ComposeGrads<A> gr;
     gr.k_w1 = kw1 + side * R * H * T + s0;
@@ -475,13 +470,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor kw2 = at::zeros({B, 2, R, H, T}, qa.options());
   at::Tensor kg = at::zeros({B, 2, H, T}, qa.options());
   at::Tensor D = new_output({B, H, T}, qa.options());
+  const at::Tensor kt_all = key_tiles(ka), vt_all = key_tiles(va);
   if (B * T > 0) {
     dispatch_acc(acc, [&](auto tag) {
       using A = decltype(tag);
       auto tile_math = [&](int64_t b, A* scratch) {
+        const int64_t nt = geo.ktiles();
         return TileMath<A>{geo, qa.data_ptr<A>() + b * H * T * geo.dh, ka.data_ptr<A>() + b * H * T * geo.dh,
                            va.data_ptr<A>() + b * H * T * geo.dv, w.at_batch<A>(b, T, H, geo.groups, 0, 1),
-                           w.at_batch<A>(b, T, H, geo.groups, 2, 3), scratch};
+                           w.at_batch<A>(b, T, H, geo.groups, 2, 3), scratch,
+                           kt_all.data_ptr<A>() + b * H * nt * geo.dh * TK,
+                           vt_all.data_ptr<A>() + b * H * nt * geo.dv * TK, nt};
       };
       const A* m = st.data_ptr<A>();
       const A* l = m + B * H * T;
@@ -645,19 +644,22 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
   const Geometry geo = make_geometry(s, causal, window, scale);
   at::Tensor out = new_output({s.batch, s.heads, s.seq, s.v_dim}, qa.options());
   at::Tensor stats = new_output({2, s.batch, s.heads, s.seq}, qa.options());
+  const at::Tensor kt_all = key_tiles(ka);
   const int64_t B = geo.B, H = geo.H, T = geo.T;
   if (B * T > 0) {
     dispatch_acc(acc, [&](auto tag) {
       using A = decltype(tag);
       const int64_t nqt = geo.qtiles();
       at::parallel_for(0, B * nqt, 1, [&](int64_t begin, int64_t end) {
-        std::vector<A> buf(H * geo.dh * TK + 2 * H * TQ * TK + H * TQ * geo.dv);
+        std::vector<A> buf(2 * H * TQ * TK + H * TQ * geo.dv);
         std::vector<A> scratch(4 * cpu::R * TK);
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / nqt, t0 = (task % nqt) * TQ;
+          const int64_t nt = geo.ktiles();
           TileMath<A> tm{geo, qa.data_ptr<A>() + b * H * T * geo.dh, ka.data_ptr<A>() + b * H * T * geo.dh,
                          va.data_ptr<A>() + b * H * T * geo.dv, w.at_batch<A>(b, T, H, geo.groups, 0, 1),
-                         w.at_batch<A>(b, T, H, geo.groups, 2, 3), scratch.data()};
+                         w.at_batch<A>(b, T, H, geo.groups, 2, 3), scratch.data(),
+                         kt_all.data_ptr<A>() + b * H * nt * geo.dh * TK, nullptr, nt};
           fwd_task_clone(geo, tm, t0, out.data_ptr<A>() + b * H * T * geo.dv,
                                 stats.data_ptr<A>() + b * H * T, stats.data_ptr<A>() + (B + b) * H * T, buf.data());
         }
