@@ -14,4 +14,5 @@ TORCH_LIBRARY_IMPL(headwise, CUDA, m) {
   m.impl("dcmha_compose", &headwise::dcmha::compose_cuda);
   m.impl("dcmha_compose_backward", &headwise::dcmha::compose_backward_cuda);
   m.impl("dcmha_attention", &headwise::dcmha::attention_cuda);
+  m.impl("dcmha_attention_backward", &headwise::dcmha::attention_backward_cuda);
 }

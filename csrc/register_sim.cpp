@@ -30,4 +30,5 @@ TORCH_LIBRARY_IMPL(headwise_sim, CPU, m) {
   m.impl("dcmha_compose", &headwise::dcmha::compose_sim);
   m.impl("dcmha_compose_backward", &headwise::dcmha::compose_backward_sim);
   m.impl("dcmha_attention", &headwise::dcmha::attention_sim);
+  m.impl("dcmha_attention_backward", &headwise::dcmha::attention_backward_sim);
 }

@@ -28,7 +28,12 @@ namespace dcmha {
   std::tuple<at::Tensor, at::Tensor> attention_##suffix(                                           \
       const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w1,         \
       const at::Tensor& w2, const at::Tensor& g, bool causal, int64_t window, double scale,        \
-      int64_t head_groups);
+      int64_t head_groups);                                                                        \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>               \
+      attention_backward_##suffix(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, \
+                                  const at::Tensor& v, const at::Tensor& w1, const at::Tensor& w2, \
+                                  const at::Tensor& g, const at::Tensor& stats, bool causal,       \
+                                  int64_t window, double scale, int64_t head_groups);
 
 HW_DCMHA_DECLARE(cpu)
 HW_DCMHA_DECLARE(cuda)
@@ -36,11 +41,6 @@ HW_DCMHA_DECLARE(sim)
 
 #undef HW_DCMHA_DECLARE
 
-// The fused backward has a CPU kernel only (no CUDA / emulated kernel yet).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w1,
-    const at::Tensor& w2, const at::Tensor& g, const at::Tensor& stats, bool causal, int64_t window, double scale,
-    int64_t head_groups);
 
 }  // namespace dcmha
 }  // namespace headwise

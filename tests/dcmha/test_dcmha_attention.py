@@ -2,8 +2,8 @@
 materializing reference (output and every gradient), plain attention at zero dynamic
 weights, window semantics, and the memory contract (no [B, H, T, T] saved or allocated).
 
-The fused attention has a CPU kernel only: there is no CUDA / emulated kernel yet, so
-these tests run the "cpu" backend."""
+These run the CPU kernel ("cpu" backend); test_dcmha_attention_sim.py runs the CUDA
+kernels under the SIMT emulator against the same reference."""
 
 import math
 

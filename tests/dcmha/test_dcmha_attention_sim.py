@@ -1,6 +1,5 @@
-"""The CUDA kernel of the fused DCMHA attention forward, run by the SIMT emulator
-(torch.ops.headwise_sim), against the materializing reference. The fused backward has
-no CUDA / emulated kernel yet (CPU only), so only the forward is checked here."""
+"""The CUDA kernels of the fused DCMHA attention (forward and backward), run by the SIMT
+emulator (torch.ops.headwise_sim), against the materializing reference."""
 
 import pytest
 import torch
@@ -54,9 +53,9 @@ def test_sim_forward_bf16_and_zero_weights():
 def test_sim_forward_opcheck_schema_and_fake():
     q, k, v = (torch.randn(1, 4, 5, 8) for _ in range(3))
     w = make_weights(1, 5, 4)
-    # No backward kernel on this backend: check schema, fake tensor and dispatch only.
-    torch.library.opcheck(torch.ops.headwise_sim.dcmha_attention, (q, k, v, *w, True, 0, 0.35, 1),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    q.requires_grad_()
+    for args in ((True, 0, 0.35, 1), (True, 2, 0.35, 2), (False, 0, 1.0, 1)):
+        torch.library.opcheck(torch.ops.headwise_sim.dcmha_attention, (q, k, v, *w, *args))
 
 
 def test_sim_rejects_too_many_heads():
@@ -65,10 +64,47 @@ def test_sim_rejects_too_many_heads():
         SIM.dcmha_attention(q, q, q, make_weights(1, 3, 33))
 
 
-def test_sim_backward_is_not_implemented_yet():
-    # The fused backward exists on the CPU backend only; on the emulated (and CUDA)
-    # backend autograd reaches an op with no kernel and says so, it never returns zeros.
-    q, k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(3))
-    out = SIM.dcmha_attention(q, k, v, make_weights(1, 5, 2))
-    with pytest.raises(NotImplementedError, match="dcmha_attention_backward"):
-        out.sum().backward()
+
+NAMES = ["out", "grad q", "grad k", "grad v", "grad w1", "grad w2", "grad g"]
+
+
+@pytest.mark.parametrize("b,h,t,dh,dv,kw", [
+    (1, 2, 3, 4, 4, {}),
+    (2, 4, 5, 8, 6, {}),
+    (1, 8, 37, 16, 16, {}),
+    (1, 16, 37, 8, 8, dict(head_groups=4)),
+    (1, 32, 5, 4, 4, {}),
+    (1, 3, 123, 16, 8, dict(window=70)),
+    (1, 4, 150, 8, 8, {}),
+    (1, 4, 37, 8, 8, dict(causal=False, window=5)),
+    (1, 4, 37, 8, 8, dict(causal=False)),
+])
+def test_sim_backward_matches_reference(b, h, t, dh, dv, kw):
+    gen = torch.Generator().manual_seed(t + h)
+    q, k = torch.randn(b, h, t, dh, generator=gen), torch.randn(b, h, t, dh, generator=gen)
+    v = torch.randn(b, h, t, dv, generator=gen)
+    w = make_weights(b, t, h, seed=h)
+    grad = torch.randn(b, h, t, dv, generator=gen)
+
+    def run(fn):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, *w)]
+        out = fn(*leaves[:3], DCMHAWeights(*leaves[3:]), **kw)
+        out.backward(grad)
+        return [out.detach()] + [x.grad for x in leaves]
+
+    for name, x, y in zip(NAMES, run(SIM.dcmha_attention), run(reference.dcmha_attention)):
+        err = rel_err(x, y)
+        assert err <= 1e-5, f"{name}: relative error {err:.3g}"
+
+
+def test_sim_backward_deterministic():
+    q, k, v = (torch.randn(1, 4, 70, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    w = make_weights(1, 70, 4)
+
+    def run():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, *w)]
+        SIM.dcmha_attention(*leaves[:3], DCMHAWeights(*leaves[3:]), window=33).square().sum().backward()
+        return [x.grad for x in leaves]
+
+    for x, y in zip(run(), run()):
+        assert torch.equal(x, y)
