@@ -107,14 +107,13 @@ def test_window_semantics():
     assert rel_err(OPS.dcmha_attention(q, k, v, w, window=3), sdpa) <= 1e-6
 
 
-def test_fully_masked_rows_give_zero():
-    # Not causal, window 1 with... no row is fully masked in self-attention; an all -inf
-    # row arises only through the mask, so check the reference's convention directly on
-    # the op statistics: a 1-token sequence has one key and a defined output.
+def test_single_token_sequence():
+    # T = 1: one key, the row's own. (A fully masked row cannot occur in self-attention
+    # with these masks, since key t is always in row t's band; the kernels' 0 convention
+    # for such rows is therefore not exercised by any test.)
     q, k, v = make_qkv(1, 2, 1, 4)
     w = make_weights(1, 1, 2)
-    out = OPS.dcmha_attention(q, k, v, w)
-    assert torch.isfinite(out).all()
+    assert rel_err(OPS.dcmha_attention(q, k, v, w), reference.dcmha_attention(q, k, v, w)) <= FP32_TOL
 
 
 def test_gradcheck_float64_cpu_kernel():
