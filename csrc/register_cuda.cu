@@ -1,4 +1,5 @@
 // CUDA implementations of torch.ops.headwise.
+#include "dcmha/dcmha_ops.h"
 #include "merge/merge_ops.h"
 #include "mhar/mhar_ops.h"
 #include "qkv/qkv_ops.h"
@@ -13,4 +14,8 @@ TORCH_LIBRARY_IMPL(headwise, CUDA, m) {
   m.impl("qkv_project_backward", &headwise::qkv::project_backward_cuda);
   m.impl("head_merge", &headwise::merge::head_merge_cuda);
   m.impl("head_merge_backward", &headwise::merge::head_merge_backward_cuda);
+  m.impl("dcmha_compose", &headwise::dcmha::compose_cuda);
+  m.impl("dcmha_compose_backward", &headwise::dcmha::compose_backward_cuda);
+  m.impl("dcmha_attention", &headwise::dcmha::attention_cuda);
+  m.impl("dcmha_attention_backward", &headwise::dcmha::attention_backward_cuda);
 }

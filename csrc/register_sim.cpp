@@ -1,6 +1,7 @@
 // The emulated op library: the CUDA kernels run by the SIMT emulator on CPU tensors,
 // registered as torch.ops.headwise_sim with the schemas of torch.ops.headwise.
 #include "common/simt/simt.h"
+#include "dcmha/dcmha_ops.h"
 #include "merge/merge_ops.h"
 #include "mhar/mhar_ops.h"
 #include "qkv/qkv_ops.h"
@@ -29,4 +30,8 @@ TORCH_LIBRARY_IMPL(headwise_sim, CPU, m) {
   m.impl("qkv_project_backward", &headwise::qkv::project_backward_sim);
   m.impl("head_merge", &headwise::merge::head_merge_sim);
   m.impl("head_merge_backward", &headwise::merge::head_merge_backward_sim);
+  m.impl("dcmha_compose", &headwise::dcmha::compose_sim);
+  m.impl("dcmha_compose_backward", &headwise::dcmha::compose_backward_sim);
+  m.impl("dcmha_attention", &headwise::dcmha::attention_sim);
+  m.impl("dcmha_attention_backward", &headwise::dcmha::attention_backward_sim);
 }

@@ -53,6 +53,26 @@ inline void define_schemas(torch::Library& m) {
       "head_merge_backward(Tensor grad_out, Tensor z, Tensor weight_o, Tensor? head_gate, "
       "bool rescale, bool bias_grad, bool gate_grad) -> (Tensor, Tensor, Tensor, Tensor)",
       tags);
+  // DCMHA (SPEC section 5). Weights: w1, w2 [B, T, 4, R=2, H], g [B, T, 4, H] in the
+  // dtype of a / q. slot: 0 = pre (compose slots c = 0, 1), 1 = post (c = 2, 3).
+  m.def("dcmha_compose(Tensor a, Tensor w1, Tensor w2, Tensor g, int slot, int head_groups) -> Tensor", tags);
+  // -> (grad_a, grad_w1, grad_w2, grad_g); weight grads are zero in the slots not used.
+  m.def(
+      "dcmha_compose_backward(Tensor grad, Tensor a, Tensor w1, Tensor w2, Tensor g, int slot, "
+      "int head_groups) -> (Tensor, Tensor, Tensor, Tensor)",
+      tags);
+  // Fused two-pass attention. window 0 = none. -> (out [B, H, T, dv], stats [2, B, H, T]:
+  // per-head row max and sum of the pre-composed masked logits, fp32 (fp64 for fp64)).
+  m.def(
+      "dcmha_attention(Tensor q, Tensor k, Tensor v, Tensor w1, Tensor w2, Tensor g, bool causal, "
+      "int window, float scale, int head_groups) -> (Tensor, Tensor)",
+      tags);
+  // -> (grad_q, grad_k, grad_v, grad_w1, grad_w2, grad_g)
+  m.def(
+      "dcmha_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor w1, Tensor w2, "
+      "Tensor g, Tensor stats, bool causal, int window, float scale, int head_groups) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      tags);
 }
 
 }  // namespace headwise

@@ -9,13 +9,19 @@ import torch  # noqa: F401  (the op libraries link against libtorch)
 
 from . import _C, _sim  # noqa: F401  (load torch.ops.headwise and torch.ops.headwise_sim)
 from . import integrations, models, nn, reference, testing
+from .dcmha import DCMHAWeights
 from .depth_buffer import DepthBuffer
 from .head_scores import ahon_scores, circuit_scores, inactive_heads
 from .head_surgery import PermutedHeads, PrunedHeads, head_mask, permute_heads, prune_heads
-from .ops import HeadMergeStats, head_merge, kv_project, mhar_route, q_project, qkv_project
+from .ops import (HeadMergeStats, dcmha_attention, dcmha_compose, dcmha_weights, head_merge, kv_project, mhar_route,
+                  q_project, qkv_project)
 from .qkv_layout import QKVLayout, QKVManifest, from_hf_attention, from_multihead_attention
 
 __all__ = [
+    "DCMHAWeights",
+    "dcmha_attention",
+    "dcmha_compose",
+    "dcmha_weights",
     "DepthBuffer",
     "HeadMergeStats",
     "PermutedHeads",

@@ -9,9 +9,9 @@ validation loss in nats/byte, tokens/s, peak memory) and DIR/loss.png (validatio
 curves; needs matplotlib, otherwise skipped with a note).
 
 Variants: residual (standard), attnres (single-head routing), mhar (multi-head routing
-through the DepthBuffer), block_mhar (delta routing over block-aggregated deltas).
-"dcmha" (dynamically composable attention) needs the DCMHA kernels, which are not built
-yet; asking for it is an error.
+through the DepthBuffer), dcmha (standard residual, attention by headwise.nn.DCMHAttention:
+dynamically composed heads in the fused two-pass attention kernel), block_mhar (delta
+routing over block-aggregated deltas, on request).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ VARIANTS = {
     "attnres": dict(residual="attnres"),
     "mhar": dict(residual="mhar"),
     "block_mhar": dict(residual="block_mhar", num_blocks=3),
+    "dcmha": dict(residual="residual", attention="dcmha"),
 }
-DEFAULT_VARIANTS = ("residual", "attnres", "mhar")
-UNAVAILABLE = {"dcmha": "DCMHA attention (headwise.dcmha_attention) is not built yet"}
+DEFAULT_VARIANTS = ("residual", "attnres", "mhar", "dcmha")
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="demo_out", help="output directory for demo.json and loss.png")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
-                   help=f"any of {', '.join(list(VARIANTS) + list(UNAVAILABLE))}")
+                   help=f"any of {', '.join(VARIANTS)}")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -186,8 +186,6 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for v in args.variants:
-        if v in UNAVAILABLE:
-            p.error(f"variant {v!r}: {UNAVAILABLE[v]}")
         if v not in VARIANTS:
             p.error(f"unknown variant {v!r}; choose from {list(VARIANTS)}")
     if args.steps < 1:

@@ -188,6 +188,96 @@ def _register_qkv(ns: str) -> None:
     torch.library.register_autograd(project, backward, setup_context=setup_context)
 
 
+def _register_dcmha(ns: str) -> None:
+    """Fake kernels and autograd of the DCMHA ops (SPEC section 5) for library ``ns``."""
+    compose = f"{ns}::dcmha_compose"
+    attention = f"{ns}::dcmha_attention"
+
+    @torch.library.register_fake(compose)
+    def _(a, w1, w2, g, slot, head_groups):
+        return a.new_empty(a.shape)
+
+    @torch.library.register_fake(f"{ns}::dcmha_compose_backward")
+    def _(grad, a, w1, w2, g, slot, head_groups):
+        return a.new_empty(a.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape), g.new_empty(g.shape)
+
+    def compose_setup(ctx, inputs, output):
+        a, w1, w2, g, slot, head_groups = inputs
+        ctx.save_for_backward(a, w1, w2, g)
+        ctx.args = (slot, head_groups)
+
+    def compose_backward(ctx, grad):
+        a, w1, w2, g = ctx.saved_tensors
+        da, dw1, dw2, dg = getattr(torch.ops, ns).dcmha_compose_backward(grad.contiguous(), a, w1, w2, g, *ctx.args)
+        return da, dw1, dw2, dg, None, None
+
+    torch.library.register_autograd(compose, compose_backward, setup_context=compose_setup)
+
+    @torch.library.register_fake(attention)
+    def _(q, k, v, w1, w2, g, causal, window, scale, head_groups):
+        b, h, t, _ = q.shape
+        stats_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.new_empty((b, h, t, v.shape[-1])), q.new_empty((2, b, h, t), dtype=stats_dtype)
+
+    @torch.library.register_fake(f"{ns}::dcmha_attention_backward")
+    def _(grad_out, q, k, v, w1, w2, g, stats, causal, window, scale, head_groups):
+        return tuple(x.new_empty(x.shape) for x in (q, k, v, w1, w2, g))
+
+    def attention_setup(ctx, inputs, output):
+        q, k, v, w1, w2, g, causal, window, scale, head_groups = inputs
+        _, stats = output
+        # Saved: the inputs and the [2, B, H, T] row statistics; never a [B, H, T, T] tensor.
+        ctx.save_for_backward(q, k, v, w1, w2, g, stats)
+        ctx.args = (causal, window, scale, head_groups)
+        ctx.mark_non_differentiable(stats)
+
+    def attention_backward(ctx, grad_out, _grad_stats):
+        q, k, v, w1, w2, g, stats = ctx.saved_tensors
+        grads = getattr(torch.ops, ns).dcmha_attention_backward(
+            grad_out.to(q.dtype).contiguous(), q, k, v, w1, w2, g, stats, *ctx.args
+        )
+        return (*grads, None, None, None, None)
+
+    torch.library.register_autograd(attention, attention_backward, setup_context=attention_setup)
+
+
+def dcmha_weights(x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor, dd: torch.Tensor):
+    """The dynamic compose weights of DCMHA (SPEC section 5): a :class:`headwise.DCMHAWeights`
+    ``(w1 [B, T, 4, R, H] normalized over heads, w2 [B, T, 4, R, H], g [B, T, 4, H])``.
+
+    ``x [B, T, D]`` (the attention input after its norm), ``dw1 [D, 4, Kh]``,
+    ``qkw [4, Kh, 2R, H]``, ``dd [D, 4H]``. This is a composite of torch ops on purpose:
+    it is two small GEMMs (``D x 4Kh`` and ``D x 4H``, which BLAS / cuBLAS already run at
+    peak), a batched ``Kh x 2RH`` contraction per slot, gelu, tanh and an RMS over H, all
+    O(B T D H) work with O(B T H) outputs, with autograd for free; the head-axis work
+    that needs a kernel is the O(B H T^2) compose inside attention. Accumulates in fp32
+    (fp64 for fp64) and returns x's dtype. Differentiable in every argument.
+    """
+    from .dcmha import RANK, DCMHAWeights
+
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError("headwise.dcmha_weights: x must be a 3-D tensor [B, T, D]")
+    b, t, d = x.shape
+    if dw1.dim() != 3 or dw1.shape[0] != d or dw1.shape[1] != 4:
+        raise ValueError(f"headwise.dcmha_weights: dw1 must be [D={d}, 4, Kh], got {list(dw1.shape)}")
+    kh = dw1.shape[2]
+    if qkw.dim() != 4 or tuple(qkw.shape[:3]) != (4, kh, 2 * RANK):
+        raise ValueError(f"headwise.dcmha_weights: qkw must be [4, Kh={kh}, {2 * RANK}, H], got {list(qkw.shape)}")
+    h = qkw.shape[3]
+    if tuple(dd.shape) != (d, 4 * h):
+        raise ValueError(f"headwise.dcmha_weights: dd must be [D={d}, 4H={4 * h}], got {list(dd.shape)}")
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x2 = x.reshape(b * t, d).to(acc)
+    hid = torch.nn.functional.gelu((x2 @ dw1.to(acc).reshape(d, 4 * kh)).view(b * t, 4, kh))
+    # Per slot c: [BT, Kh] @ [Kh, 2R H] as one batched GEMM over the 4 slots.
+    w = torch.bmm(hid.transpose(0, 1), qkw.to(acc).reshape(4, kh, 2 * RANK * h)).transpose(0, 1)
+    w = w.reshape(b, t, 4, 2 * RANK, h)
+    w1, w2 = w[..., :RANK, :], w[..., RANK:, :]
+    w1 = w1 * torch.rsqrt(w1.square().mean(dim=-1, keepdim=True) + 1e-6)
+    g = torch.tanh(x2 @ dd.to(acc)).view(b, t, 4, h)
+    return DCMHAWeights(w1.to(x.dtype).contiguous(), w2.to(x.dtype).contiguous(), g.to(x.dtype))
+
+
 def _rope_args(rope, op):
     if rope is None:
         return None, None
@@ -376,11 +466,52 @@ class Ops:
             return out, HeadMergeStats(z_norm, out_norm)
         return out
 
+    def dcmha_weights(self, x, dw1, qkw, dd):
+        """See :func:`headwise.ops.dcmha_weights` (a composite of torch ops, any backend)."""
+        return dcmha_weights(x, dw1, qkw, dd)
+
+    def dcmha_compose(self, a: torch.Tensor, weights, slot: str = "pre", *, head_groups: int = 1) -> torch.Tensor:
+        """DCMHA compose (SPEC section 5) of a materialized ``a [B, H, T, T]``: for slot
+        "pre" the slots c = (pre, query), (pre, key); for "post" c = (post, query),
+        (post, key). ``weights``: a :class:`headwise.DCMHAWeights` in a's dtype.
+        ``head_groups=g`` composes only within each group of H / g consecutive heads.
+        Differentiable in a and every weight; never forms a ``[B, T, S, H, H]`` tensor."""
+        from .dcmha import check_weights, slot_index
+
+        w = check_weights(weights, "dcmha_compose")
+        return self._lib.dcmha_compose(a, w.w1, w.w2, w.g, slot_index(slot), int(head_groups))
+
+    def dcmha_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights, *, causal: bool = True,
+                        window: Optional[int] = None, scale: Optional[float] = None,
+                        head_groups: int = 1) -> torch.Tensor:
+        """Fused DCMHA attention (SPEC section 5): ``O [B, H, T, dv]``.
+
+        ``q, k [B, H, T, dh]``, ``v [B, H, T, dv]``, ``weights`` a
+        :class:`headwise.DCMHAWeights` in q's dtype. Logits ``q k^T * scale`` (default
+        1/sqrt(dh)) are pre-composed, masked (causal; ``window=W``: the W keys
+        ``t - W < s <= t``), softmaxed per head in fp32 (a fully masked row gives 0),
+        post-composed and applied to v. Two passes over key tiles (row max/sum, then
+        normalize + post-compose + P'V); saves only the inputs and ``[2, B, H, T]`` row
+        statistics; never allocates ``[B, H, T, T]``. Differentiable in q, k, v and the
+        weights."""
+        from .dcmha import check_weights
+
+        w = check_weights(weights, "dcmha_attention")
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise ValueError("headwise.dcmha_attention: q must be a 4-D tensor [B, H, T, dh]")
+        if window is not None and int(window) < 1:
+            raise ValueError(f"headwise.dcmha_attention: window must be None or at least 1, got {window}")
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        out, _ = self._lib.dcmha_attention(q, k, v, w.w1, w.w2, w.g, bool(causal),
+                                           0 if window is None else int(window), scale, int(head_groups))
+        return out
+
 
 for _ns in LIBRARIES:
     _register(_ns)
     _register_qkv(_ns)
     _register_merge(_ns)
+    _register_dcmha(_ns)
 
 DEFAULT_OPS = Ops("headwise")  # what modules use when no backend is given
 mhar_route = DEFAULT_OPS.mhar_route
@@ -388,3 +519,5 @@ qkv_project = DEFAULT_OPS.qkv_project
 q_project = DEFAULT_OPS.q_project
 kv_project = DEFAULT_OPS.kv_project
 head_merge = DEFAULT_OPS.head_merge
+dcmha_compose = DEFAULT_OPS.dcmha_compose
+dcmha_attention = DEFAULT_OPS.dcmha_attention

@@ -13,6 +13,10 @@ import torch
 
 __all__ = [
     "apply_rope",
+    "dcmha_attention",
+    "dcmha_compose",
+    "dcmha_mask",
+    "dcmha_weights",
     "head_merge",
     "head_merge_coefficients",
     "head_merge_stats",
@@ -268,3 +272,110 @@ def head_merge_stats(z: torch.Tensor, weight_o: torch.Tensor, *, head_gate: Opti
         open_ = (head_gate.expand(b, h) != 0).to(acc)[:, None, :]
         z_norm, out_norm = z_norm * open_, out_norm * open_
     return HeadMergeStats(z_norm.float(), out_norm.float())
+
+
+# -- DCMHA: dynamically composable multi-head attention (SPEC section 5) ----------------
+
+
+def dcmha_weights(x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor, dd: torch.Tensor):
+    """The dynamic compose weights of every token: a :class:`headwise.DCMHAWeights`.
+
+    ``x [B, T, D]`` (the attention input after its norm), ``dw1 [D, 4, Kh]``,
+    ``qkw [4, Kh, 2R, H]``, ``dd [D, 4H]``::
+
+        hid = gelu_erf(x @ dw1)                       # [B, T, 4, Kh]
+        w   = einsum('btck,ckjh->btcjh', hid, qkw)    # [B, T, 4, 2R, H]
+        W1  = w[..., :R, :] * rsqrt(mean_H W1^2 + 1e-6);  W2 = w[..., R:, :]
+        G   = tanh(x @ dd).view(B, T, 4, H)
+
+    Computed in fp32 (fp64 for fp64 inputs), returned in x's dtype.
+    """
+    from .dcmha import RANK, DCMHAWeights
+
+    b, t, d = x.shape
+    acc = _accumulation_dtype(x)
+    xa = x.to(acc)
+    hid = torch.nn.functional.gelu(torch.einsum("btd,dck->btck", xa, dw1.to(acc)))
+    w = torch.einsum("btck,ckjh->btcjh", hid, qkw.to(acc))
+    w1, w2 = w[..., :RANK, :], w[..., RANK:, :]
+    w1 = w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+    g = torch.tanh(xa @ dd.to(acc)).view(b, t, 4, -1)
+    return DCMHAWeights(w1.to(x.dtype), w2.to(x.dtype), g.to(x.dtype))
+
+
+def _compose(a: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, cq: int, ck: int,
+             head_groups: int) -> torch.Tensor:
+    """Compose of ``a [B, H, T, S]`` (already in the accumulation dtype) for slots (cq, ck),
+    each group of H / head_groups heads composing only within itself::
+
+        A'[m,t,s] = A[m,t,s] (1 + G[t,cq,m] + G[s,ck,m])
+                  + sum_r W2[t,cq,r,m] sum_n A[n,t,s] W1[t,cq,r,n]
+                  + sum_r W2[s,ck,r,m] sum_n A[n,t,s] W1[s,ck,r,n]      (n, m in one group)
+
+    The factorized form: two rank-R projections per (t, s), never a [B, T, S, H, H] tensor.
+    """
+    b, h, t, s = a.shape
+    ng, hg = head_groups, h // head_groups
+    ag = a.reshape(b, ng, hg, t, s)
+
+    def side(c, n_len):  # (W1, W2) of slot c as [B, N, R, G, Hg] (N = T or S)
+        return w1[:, :n_len, c].reshape(b, n_len, -1, ng, hg), w2[:, :n_len, c].reshape(b, n_len, -1, ng, hg)
+
+    w1q, w2q = side(cq, t)
+    w1k, w2k = side(ck, s)
+    pq = torch.einsum("bgnts,btrgn->bgrts", ag, w1q)
+    pk = torch.einsum("bgnts,bsrgn->bgrts", ag, w1k)
+    mix = torch.einsum("bgrts,btrgm->bgmts", pq, w2q) + torch.einsum("bgrts,bsrgm->bgmts", pk, w2k)
+    gate = 1 + g[:, :t, cq].transpose(1, 2).unsqueeze(-1) + g[:, :s, ck].transpose(1, 2).unsqueeze(-2)
+    return a * gate + mix.reshape(b, h, t, s)
+
+
+def dcmha_compose(a: torch.Tensor, weights, slot: str = "pre", *, head_groups: int = 1) -> torch.Tensor:
+    """Compose of a materialized ``a [B, H, T, S]`` (S = T: key-side weights are indexed by
+    s) with the slots of ``slot`` ("pre": c = 0, 1; "post": c = 2, 3); fp32 accumulation
+    (fp64 for fp64), returned in a's dtype."""
+    from .dcmha import slot_index
+
+    si = slot_index(slot)
+    acc = _accumulation_dtype(a)
+    w1, w2, g = (w.to(acc) for w in weights)
+    return _compose(a.to(acc), w1, w2, g, 2 * si, 2 * si + 1, head_groups).to(a.dtype)
+
+
+def dcmha_mask(t: int, s: int, *, causal: bool = True, window: Optional[int] = None, device=None) -> torch.Tensor:
+    """``[T, S]`` boolean: True where query t may read key s (causal: s <= t; a window of
+    W keys including self: t - W < s <= t)."""
+    ti = torch.arange(t, device=device).unsqueeze(1)
+    si = torch.arange(s, device=device).unsqueeze(0)
+    keep = torch.ones(t, s, dtype=torch.bool, device=device)
+    if causal:
+        keep = keep & (si <= ti)
+    if window is not None:
+        keep = keep & (si > ti - window)
+    return keep
+
+
+def dcmha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights, *, causal: bool = True,
+                    window: Optional[int] = None, scale: Optional[float] = None,
+                    head_groups: int = 1) -> torch.Tensor:
+    """DCMHA attention, materializing ``[B, H, T, S]`` (the oracle of the fused kernel).
+
+    ``q, k [B, H, T, dh]``, ``v [B, H, T, dv]``; ``L = q k^T * scale`` (default
+    1/sqrt(dh)), pre-compose, mask (causal and/or a window of W keys including self),
+    softmax over keys in fp32 (fully masked rows give 0), post-compose, ``O = P' v``.
+    Returns ``O [B, H, T, dv]`` in q's dtype.
+    """
+    acc = _accumulation_dtype(q)
+    t, dh = q.shape[-2], q.shape[-1]
+    s = k.shape[-2]
+    scale = dh ** -0.5 if scale is None else scale
+    w1, w2, g = (w.to(acc) for w in weights)
+    logits = (q.to(acc) * scale) @ k.to(acc).transpose(-1, -2)
+    logits = _compose(logits, w1, w2, g, 0, 1, head_groups)
+    keep = dcmha_mask(t, s, causal=causal, window=window, device=q.device)
+    row_any = keep.any(dim=-1, keepdim=True)
+    # Fully masked rows: finite logits (no NaN in the softmax or its gradient), then 0.
+    logits = torch.where(keep, logits, torch.where(row_any, float("-inf"), 0.0))
+    probs = torch.softmax(logits, dim=-1) * row_any
+    probs = _compose(probs, w1, w2, g, 2, 3, head_groups)
+    return (probs @ v.to(acc)).to(q.dtype)

@@ -26,10 +26,10 @@ import sys
 
 import torch
 
-from . import chart, merge, mhar, model, qkv
+from . import chart, dcmha, merge, mhar, model, qkv
 
 # name -> module with run(device, dtype, repeats, shape=None) -> list[Row] and QUICK_SHAPE
-BENCHMARKS = {"mhar": mhar, "qkv": qkv, "merge": merge, "model": model}
+BENCHMARKS = {"mhar": mhar, "qkv": qkv, "merge": merge, "dcmha": dcmha, "model": model}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -1,7 +1,10 @@
 """A Qwen3-style decoder with a choice of residual stream (SPEC section 4).
 
 Pre-norm RMSNorm blocks, grouped-query attention with per-head q/k RMSNorm and rotary
-embeddings (rotate-half, theta 1e4), SwiGLU MLPs. The residual stream is one of:
+embeddings (rotate-half, theta 1e4), SwiGLU MLPs; with attention="dcmha" each attention
+sublayer is a headwise.nn.DCMHAttention instead (fused QKV with the rotary embedding in
+its epilogue, dynamically composed heads, fused two-pass attention, head merge; full
+heads, no q/k norm). The residual stream is one of:
   "residual"  h_{s+1} = h_s + f_s(norm(h_s))                       (the standard stream)
   "attnres"   x_s = route_s(h_0..h_s) with one routing head (Attention Residuals)
   "mhar"      x_s = route_s(h_0..h_s) with `routing_heads` heads  (Multi-Head AttnRes)
@@ -38,13 +41,13 @@ from torch import nn
 
 from .. import reference
 from ..depth_buffer import DepthBuffer
-from ..nn import MHARRouter
+from ..nn import DCMHAttention, MHARRouter
 from ..ops import DEFAULT_OPS, Ops
 
 RESIDUALS = ("residual", "attnres", "mhar", "block_mhar", "delta_mhar")
 DELTA_RESIDUALS = ("block_mhar", "delta_mhar")
 ROUTING_IMPLS = ("buffer", "per_call")
-ATTENTIONS = ("mha",)
+ATTENTIONS = ("mha", "dcmha")
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class DecoderConfig:
              f"with residual={self.residual!r}"),
             (self.d_model % self.n_heads == 0, f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})"),
             (self.n_heads % kv == 0, f"n_kv_heads ({kv}) must divide n_heads ({self.n_heads})"),
+            (self.attention != "dcmha" or kv == self.n_heads,
+             f"attention='dcmha' composes full heads: n_kv_heads ({kv}) must equal n_heads ({self.n_heads})"),
             ((self.d_model // self.n_heads) % 2 == 0, "the head dim must be even for rotary embeddings"),
             (self.d_model % self.routing_heads_resolved == 0,
              f"routing_heads ({self.routing_heads_resolved}) must divide d_model ({self.d_model})"),
@@ -166,7 +171,8 @@ class Decoder(nn.Module):
         self.sublayers = nn.ModuleList()
         self.norms = nn.ModuleList()
         for _ in range(cfg.n_layers):
-            self.sublayers.append(Attention(cfg))
+            self.sublayers.append(DCMHAttention(d, cfg.n_heads, ops=self._ops) if cfg.attention == "dcmha"
+                                  else Attention(cfg))
             self.norms.append(RMSNorm(d, cfg.norm_eps))
             self.sublayers.append(SwiGLU(d))
             self.norms.append(RMSNorm(d, cfg.norm_eps))
@@ -192,10 +198,13 @@ class Decoder(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def _sublayer(self, s: int, x, cos, sin):
+    def _sublayer(self, s: int, x, cos, sin, use_reference: bool = False):
+        sub, h = self.sublayers[s], self.norms[s](x)
+        if isinstance(sub, DCMHAttention):
+            return sub.reference_forward(h, rope=(cos, sin)) if use_reference else sub(h, rope=(cos, sin))
         if s % 2 == 0:
-            return self.sublayers[s](self.norms[s](x), cos, sin)
-        return self.sublayers[s](self.norms[s](x))
+            return sub(h, cos, sin)
+        return sub(h)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self._run(tokens, use_reference=False)
@@ -211,7 +220,7 @@ class Decoder(nn.Module):
         steps = 2 * cfg.n_layers
         if cfg.residual == "residual":
             for s in range(steps):
-                h = h + self._sublayer(s, h, cos, sin)
+                h = h + self._sublayer(s, h, cos, sin, use_reference)
             return self.lm_head(self.final_norm(h))
         if cfg.residual in DELTA_RESIDUALS:
             return self.lm_head(self.final_norm(self._run_delta(h, cos, sin, use_reference)))
@@ -234,7 +243,7 @@ class Decoder(nn.Module):
                 else:
                     x = router(stacked)
             if s < steps:
-                h = x + self._sublayer(s, x, cos, sin)
+                h = x + self._sublayer(s, x, cos, sin, use_reference)
         return self.lm_head(self.final_norm(x))
 
     def _run_delta(self, h, cos, sin, use_reference: bool):
@@ -251,7 +260,7 @@ class Decoder(nn.Module):
                 x = router(deltas, residual=h)
             if s == steps:
                 return x
-            f = self._sublayer(s, x, cos, sin)
+            f = self._sublayer(s, x, cos, sin, use_reference)
             h = x + f
             if in_partial == block:
                 blocks.append(partial)

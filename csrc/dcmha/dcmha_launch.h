@@ -1,0 +1,247 @@
+// Host side of the DCMHA compose and fused attention (forward) kernels: checks, launches, and the backend entries of
+// dcmha_ops.h. Compiled once as the CUDA backend (dcmha_cuda.cu, nvcc) and once as the
+// emulated backend (dcmha_sim.cpp, host compiler against the SIMT emulator).
+#pragma once
+
+#include "../common/backend_device.h"
+#include "../common/dispatch.h"
+#include "../common/op_range.h"
+#include "../common/outputs.h"
+#include "dcmha_args.h"
+#include "dcmha_attention_bwd_kernel.cuh"
+#include "dcmha_attention_kernel.cuh"
+#include "dcmha_kernel.cuh"
+#include "dcmha_ops.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+
+#include <tuple>
+
+namespace headwise {
+namespace dcmha {
+#define HW_DCMHA_ENTRY(name) HW_BACKEND_ENTRY(name)
+namespace {
+using hw::kBackendDevice;
+using hw::on_backend_device;
+
+inline void check_backend(const at::Tensor& a, const Shape& s, const char* op) {
+  TORCH_CHECK(on_backend_device(a), "headwise.", op, ": a is on ", a.device(), " but ", kBackendDevice);
+  dispatch_storage_dtype(a.scalar_type(), op, "a", [](auto) {});
+  TORCH_CHECK_VALUE(s.heads <= kMaxHeads, "headwise.", op, ": H = ", s.heads,
+                    " exceeds the most heads of the CUDA compose kernel (", kMaxHeads, ")");
+}
+
+inline ComposeParams make_params(const Shape& s, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
+                                 int64_t slot) {
+  ComposeParams p{};
+  p.w1 = w1.data_ptr<float>();
+  p.w2 = w2.data_ptr<float>();
+  p.g = g.data_ptr<float>();
+  p.T = static_cast<int>(s.seq);
+  p.H = static_cast<int>(s.heads);
+  p.hg = static_cast<int>(s.heads / s.head_groups);
+  p.cq = static_cast<int>(2 * slot);
+  p.ck = p.cq + 1;
+  return p;
+}
+
+inline size_t query_smem_bytes(const Shape& s) {
+  return static_cast<size_t>(2 * kR * s.heads + s.heads + 64) * sizeof(float);
+}
+
+}  // namespace
+
+at::Tensor HW_DCMHA_ENTRY(compose)(const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2,
+                                   const at::Tensor& g, int64_t slot, int64_t head_groups) {
+  HW_OP_RANGE("headwise::dcmha_compose");
+  const Shape s = check_compose_args(a, w1, w2, g, slot, head_groups);
+  check_backend(a, s, "dcmha_compose");
+  const at::OptionalDeviceGuard device_guard(a.device());
+  const at::Tensor x = a.contiguous();
+  const at::Tensor w1f = w1.to(at::kFloat).contiguous(), w2f = w2.to(at::kFloat).contiguous(),
+                   gf = g.to(at::kFloat).contiguous();
+  at::Tensor out = new_output(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  ComposeParams p = make_params(s, w1f, w2f, gf, slot);
+  p.a = x.data_ptr();
+  p.out = out.data_ptr();
+  dispatch_storage_dtype(a.scalar_type(), "dcmha_compose", "a", [&](auto tag) {
+    using T = decltype(tag);
+    HW_LAUNCH("dcmha_compose_fwd", dcmha_compose_fwd<T>,
+              dim3(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch)), dim3(kComposeThreads),
+              query_smem_bytes(s), p);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compose_backward)(
+    const at::Tensor& grad, const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
+    int64_t slot, int64_t head_groups) {
+  HW_OP_RANGE("headwise::dcmha_compose_backward");
+  const Shape s = check_compose_args(a, w1, w2, g, slot, head_groups);
+  check_backend(a, s, "dcmha_compose_backward");
+  TORCH_CHECK_VALUE(grad.sizes() == a.sizes(), "headwise.dcmha_compose_backward: grad must have the shape of a ",
+                    shape_str(a), ", got ", shape_str(grad));
+  check_same_dtype("dcmha_compose_backward", grad, "grad", a, "a");
+  const at::OptionalDeviceGuard device_guard(a.device());
+  const at::Tensor x = a.contiguous(), dy = grad.contiguous();
+  const at::Tensor w1f = w1.to(at::kFloat).contiguous(), w2f = w2.to(at::kFloat).contiguous(),
+                   gf = g.to(at::kFloat).contiguous();
+  at::Tensor da = new_output(x.sizes(), x.options());
+  // Slots other than (cq, ck) get zero gradients; the kernels write every element of theirs.
+  at::Tensor dw1 = at::zeros(w1f.sizes(), w1f.options());
+  at::Tensor dw2 = at::zeros(w2f.sizes(), w2f.options());
+  at::Tensor dg = at::zeros(gf.sizes(), gf.options());
+  if (x.numel() > 0) {
+    ComposeParams p = make_params(s, w1f, w2f, gf, slot);
+    p.a = x.data_ptr();
+    p.grad = dy.data_ptr();
+    p.out = da.data_ptr();
+    p.dw1 = dw1.data_ptr<float>();
+    p.dw2 = dw2.data_ptr<float>();
+    p.dg = dg.data_ptr<float>();
+    dispatch_storage_dtype(a.scalar_type(), "dcmha_compose_backward", "a", [&](auto tag) {
+      using T = decltype(tag);
+      HW_LAUNCH("dcmha_compose_bwd_query", dcmha_compose_bwd_query<T>,
+                dim3(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch)), dim3(kComposeThreads),
+                query_smem_bytes(s), p);
+      HW_LAUNCH("dcmha_compose_bwd_key", dcmha_compose_bwd_key<T>,
+                dim3(static_cast<unsigned>((s.seq + kKeyColumns - 1) / kKeyColumns), static_cast<unsigned>(s.batch)),
+                dim3(kKeyColumns), 0, p);
+    });
+  } else {
+    da.zero_();
+  }
+  return {da, dw1.to(w1.scalar_type()), dw2.to(w2.scalar_type()), dg.to(g.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& w1,
+                                                            const at::Tensor& w2, const at::Tensor& g, bool causal,
+                                                            int64_t window, double scale, int64_t head_groups) {
+  HW_OP_RANGE("headwise::dcmha_attention");
+  const AttnShape s = check_attention_args(q, k, v, w1, w2, g, window, head_groups);
+  TORCH_CHECK(on_backend_device(q), "headwise.dcmha_attention: q is on ", q.device(), " but ", kBackendDevice);
+  dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [](auto) {});
+  TORCH_CHECK_VALUE(s.heads <= kMaxHeads, "headwise.dcmha_attention: H = ", s.heads,
+                    " exceeds the most heads of the CUDA attention kernel (", kMaxHeads, ")");
+  const size_t smem = static_cast<size_t>(attn_smem_floats(static_cast<int>(s.heads), static_cast<int>(s.head_dim),
+                                                           static_cast<int>(s.v_dim), kAttnThreads)) *
+                      sizeof(float);
+  constexpr size_t kMaxSmem = 227 * 1024;
+  TORCH_CHECK_VALUE(smem <= kMaxSmem, "headwise.dcmha_attention: H * (dh + dv) is too large for the CUDA kernel's ",
+                    "shared memory (", smem, " bytes > ", kMaxSmem, ")");
+  const at::OptionalDeviceGuard device_guard(q.device());
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor w1f = w1.to(at::kFloat).contiguous(), w2f = w2.to(at::kFloat).contiguous(),
+                   gf = g.to(at::kFloat).contiguous();
+  at::Tensor out = new_output({s.batch, s.heads, s.seq, s.v_dim}, q.options());
+  at::Tensor stats = new_output({2, s.batch, s.heads, s.seq}, q.options().dtype(at::kFloat));
+  if (s.batch * s.seq == 0) return {out, stats};
+  AttnParams p{};
+  p.q = qc.data_ptr();
+  p.k = kc.data_ptr();
+  p.v = vc.data_ptr();
+  p.w1 = w1f.data_ptr<float>();
+  p.w2 = w2f.data_ptr<float>();
+  p.g = gf.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.stats = stats.data_ptr<float>();
+  p.B = static_cast<int>(s.batch);
+  p.T = static_cast<int>(s.seq);
+  p.H = static_cast<int>(s.heads);
+  p.hg = static_cast<int>(s.heads / s.head_groups);
+  p.dh = static_cast<int>(s.head_dim);
+  p.dv = static_cast<int>(s.v_dim);
+  p.causal = causal ? 1 : 0;
+  p.window = static_cast<int>(window);
+  p.scale = static_cast<float>(scale);
+  dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = &dcmha_attention_fwd<T>;
+    hw::allow_dynamic_smem(kernel, kMaxSmem);
+    HW_LAUNCH("dcmha_attention_fwd", kernel, dim3(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch)),
+              dim3(kAttnThreads), smem, p);
+  });
+  return {out, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention_backward)(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w1,
+    const at::Tensor& w2, const at::Tensor& g, const at::Tensor& stats, bool causal, int64_t window, double scale,
+    int64_t head_groups) {
+  HW_OP_RANGE("headwise::dcmha_attention_backward");
+  const AttnShape s = check_attention_args(q, k, v, w1, w2, g, window, head_groups);
+  TORCH_CHECK(on_backend_device(q), "headwise.dcmha_attention_backward: q is on ", q.device(), " but ", kBackendDevice);
+  dispatch_storage_dtype(q.scalar_type(), "dcmha_attention_backward", "q", [](auto) {});
+  TORCH_CHECK_VALUE(s.heads <= kMaxHeads, "headwise.dcmha_attention_backward: H = ", s.heads,
+                    " exceeds the most heads of the CUDA attention kernel (", kMaxHeads, ")");
+  TORCH_CHECK_VALUE(grad_out.dim() == 4 && grad_out.size(0) == s.batch && grad_out.size(1) == s.heads &&
+                        grad_out.size(2) == s.seq && grad_out.size(3) == s.v_dim,
+                    "headwise.dcmha_attention_backward: grad_out must be [B, H, T, dv], got ", shape_str(grad_out));
+  check_same_dtype("dcmha_attention_backward", grad_out, "grad_out", q, "q");
+  TORCH_CHECK_VALUE(stats.dim() == 4 && stats.size(0) == 2 && stats.size(1) == s.batch && stats.size(2) == s.heads &&
+                        stats.size(3) == s.seq && stats.scalar_type() == at::kFloat,
+                    "headwise.dcmha_attention_backward: stats must be the [2, B, H, T] float32 statistics of the ",
+                    "forward, got ", shape_str(stats), " ", stats.scalar_type());
+  const size_t smem = static_cast<size_t>(attn_bwd_smem_floats(static_cast<int>(s.heads), static_cast<int>(s.head_dim),
+                                                               static_cast<int>(s.v_dim), kAttnThreads)) *
+                      sizeof(float);
+  constexpr size_t kMaxSmem = 227 * 1024;
+  TORCH_CHECK_VALUE(smem <= kMaxSmem, "headwise.dcmha_attention_backward: H * (dh + dv) is too large for the ",
+                    "CUDA kernel's shared memory (", smem, " bytes > ", kMaxSmem, ")");
+  const at::OptionalDeviceGuard device_guard(q.device());
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), dout = grad_out.contiguous();
+  const at::Tensor st = stats.contiguous();
+  const at::Tensor w1f = w1.to(at::kFloat).contiguous(), w2f = w2.to(at::kFloat).contiguous(),
+                   gf = g.to(at::kFloat).contiguous();
+  at::Tensor dq = new_output(qc.sizes(), qc.options());
+  at::Tensor dk = new_output(kc.sizes(), kc.options());
+  at::Tensor dv = new_output(vc.sizes(), vc.options());
+  at::Tensor dw1 = new_output(w1f.sizes(), w1f.options());  // every element written by the kernels
+  at::Tensor dw2 = new_output(w2f.sizes(), w2f.options());
+  at::Tensor dg = new_output(gf.sizes(), gf.options());
+  at::Tensor D = new_output({s.batch, s.heads, s.seq}, w1f.options());
+  if (s.batch * s.seq > 0) {
+    AttnBwdParams p{};
+    p.f.q = qc.data_ptr();
+    p.f.k = kc.data_ptr();
+    p.f.v = vc.data_ptr();
+    p.f.w1 = w1f.data_ptr<float>();
+    p.f.w2 = w2f.data_ptr<float>();
+    p.f.g = gf.data_ptr<float>();
+    p.f.B = static_cast<int>(s.batch);
+    p.f.T = static_cast<int>(s.seq);
+    p.f.H = static_cast<int>(s.heads);
+    p.f.hg = static_cast<int>(s.heads / s.head_groups);
+    p.f.dh = static_cast<int>(s.head_dim);
+    p.f.dv = static_cast<int>(s.v_dim);
+    p.f.causal = causal ? 1 : 0;
+    p.f.window = static_cast<int>(window);
+    p.f.scale = static_cast<float>(scale);
+    p.stats = st.data_ptr<float>();
+    p.dout = dout.data_ptr();
+    p.D = D.data_ptr<float>();
+    p.dq = dq.data_ptr();
+    p.dk = dk.data_ptr();
+    p.dv = dv.data_ptr();
+    p.dw1 = dw1.data_ptr<float>();
+    p.dw2 = dw2.data_ptr<float>();
+    p.dg = dg.data_ptr<float>();
+    const dim3 grid(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch));
+    dispatch_storage_dtype(q.scalar_type(), "dcmha_attention_backward", "q", [&](auto tag) {
+      using T = decltype(tag);
+      auto kq = &dcmha_attention_bwd_query<T>;
+      auto kk = &dcmha_attention_bwd_key<T>;
+      hw::allow_dynamic_smem(kq, kMaxSmem);
+      hw::allow_dynamic_smem(kk, kMaxSmem);
+      HW_LAUNCH("dcmha_attention_bwd_query", kq, grid, dim3(kAttnThreads), smem, p);
+      HW_LAUNCH("dcmha_attention_bwd_key", kk, grid, dim3(kAttnThreads), smem, p);
+    });
+  }
+  return {dq, dk, dv, dw1.to(w1.scalar_type()), dw2.to(w2.scalar_type()), dg.to(g.scalar_type())};
+}
+
+}  // namespace dcmha
+}  // namespace headwise

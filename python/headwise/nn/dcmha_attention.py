@@ -1,0 +1,73 @@
+"""DCMHA self-attention as a module (SPEC section 5)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..dcmha import RANK, DCMHAWeights, hidden_size
+from ..ops import DEFAULT_OPS, Ops
+from ..qkv_layout import QKVLayout
+
+
+class DCMHAttention(nn.Module):
+    """Dynamically composable multi-head self-attention: fused QKV projection
+    (``qkv_project``), the dynamic compose weights of the input (``dcmha_weights``), the
+    fused two-pass ``dcmha_attention`` and the output projection (``head_merge``, which
+    reads the head-major attention output in place: no concatenation copy).
+
+    ``x [B, T, d_model]`` (the attention input after its norm) -> ``[B, T, d_model]``.
+    The generator parameters are initialized as DCFormer does, so that a new module is
+    close to plain MHA: ``dw1 [D, 4, Kh]`` with std ``sqrt(2 / (D + Kh))``,
+    ``qkw [4, Kh, 2R, H]`` with std ``0.02 / (sqrt(4H) (H + 2))``, ``dd [D, 4H]`` with
+    std ``0.005 sqrt(2 / (D + H))`` (Kh = 4H, R = 2).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: Optional[int] = None, *, causal: bool = True,
+                 window: Optional[int] = None, head_groups: int = 1, bias: bool = False,
+                 ops: Optional[Ops] = None):
+        super().__init__()
+        head_dim = d_model // num_heads if head_dim is None else head_dim
+        self.d_model, self.num_heads, self.head_dim = d_model, num_heads, head_dim
+        self.causal, self.window, self.head_groups = causal, window, head_groups
+        self.ops = DEFAULT_OPS if ops is None else ops
+        self.layout = QKVLayout(num_heads, num_heads, head_dim)
+        self.qkv = nn.Linear(d_model, self.layout.num_rows, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, d_model, bias=bias)
+        kh = hidden_size(num_heads)
+        self.dw1 = nn.Parameter(torch.empty(d_model, 4, kh))
+        self.qkw = nn.Parameter(torch.empty(4, kh, 2 * RANK, num_heads))
+        self.dd = nn.Parameter(torch.empty(d_model, 4 * num_heads))
+        self.reset_dcmha_parameters()
+
+    def reset_dcmha_parameters(self) -> None:
+        d, h = self.d_model, self.num_heads
+        kh = hidden_size(h)
+        with torch.no_grad():
+            self.dw1.normal_(0.0, math.sqrt(2.0 / (d + kh)))
+            self.qkw.normal_(0.0, 0.02 / (math.sqrt(4 * h) * (h + 2)))
+            self.dd.normal_(0.0, 0.005 * math.sqrt(2.0 / (d + h)))
+
+    def compose_weights(self, x: torch.Tensor) -> DCMHAWeights:
+        return self.ops.dcmha_weights(x, self.dw1, self.qkw, self.dd)
+
+    def forward(self, x: torch.Tensor, weights: Optional[DCMHAWeights] = None, *, rope=None) -> torch.Tensor:
+        """``rope=(cos, sin)`` (each ``[T, head_dim]``) rotates q and k in the QKV epilogue."""
+        q, k, v = self.ops.qkv_project(x, self.qkv.weight, self.qkv.bias, layout=self.layout, rope=rope)
+        w = self.compose_weights(x) if weights is None else weights
+        o = self.ops.dcmha_attention(q, k, v, w, causal=self.causal, window=self.window,
+                                     head_groups=self.head_groups)
+        return self.ops.head_merge(o, self.o_proj.weight, self.o_proj.bias)
+
+    def reference_forward(self, x: torch.Tensor, *, rope=None) -> torch.Tensor:
+        """The same function through ``headwise.reference`` only (the test oracle)."""
+        from .. import reference
+
+        q, k, v = reference.qkv_project(x, self.qkv.weight, self.qkv.bias, layout=self.layout, rope=rope)
+        w = reference.dcmha_weights(x, self.dw1, self.qkw, self.dd)
+        o = reference.dcmha_attention(q, k, v, w, causal=self.causal, window=self.window,
+                                      head_groups=self.head_groups)
+        return reference.head_merge(o, self.o_proj.weight, self.o_proj.bias)

@@ -1,0 +1,175 @@
+"""headwise.dcmha_compose (SPEC section 5): the factorized reference against the explicit
+per-(t, s) H x H oracle, and every backend (CPU kernel, emulated CUDA kernel) against the
+reference, forward and all gradients."""
+
+import pytest
+import torch
+
+import headwise
+from headwise import DCMHAWeights, reference
+from headwise.testing import rel_err
+
+from dcmha_helpers import explicit_compose, make_weights
+
+FP32_TOL = 2e-6
+
+
+@pytest.mark.parametrize("slot", ["pre", "post"])
+@pytest.mark.parametrize("h,groups", [(2, 1), (4, 1), (8, 1), (8, 2), (16, 4), (32, 1), (32, 8), (6, 3)])
+def test_reference_matches_explicit_oracle(slot, h, groups):
+    b, t = 2, 5
+    a = torch.randn(b, h, t, t, dtype=torch.float64)
+    w = make_weights(b, t, h, dtype=torch.float64)
+    got = reference.dcmha_compose(a, w, slot, head_groups=groups)
+    assert torch.allclose(got, explicit_compose(a, w, slot, groups), rtol=1e-12, atol=1e-12)
+
+
+def _fwd_bwd(fn, a, w, grad, **kw):
+    leaves = [x.detach().clone().requires_grad_() for x in (a, *w)]
+    out = fn(leaves[0], DCMHAWeights(*leaves[1:]), **kw)
+    out.backward(grad)
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("slot", ["pre", "post"])
+@pytest.mark.parametrize("b,h,t,groups", [
+    (2, 2, 3, 1), (1, 4, 5, 2), (2, 8, 37, 1), (1, 16, 5, 4), (1, 32, 37, 1), (1, 3, 123, 1), (1, 8, 123, 8),
+])
+def test_matches_reference_fp32(backend, slot, b, h, t, groups):
+    gen = torch.Generator().manual_seed(t + h)
+    a = torch.randn(b, h, t, t, generator=gen).to(backend.device)
+    w = make_weights(b, t, h, device=backend.device, seed=h)
+    grad = torch.randn(b, h, t, t, generator=gen).to(backend.device)
+    kw = dict(slot=slot, head_groups=groups)
+    got = _fwd_bwd(backend.dcmha_compose, a, w, grad, **kw)
+    want = _fwd_bwd(reference.dcmha_compose, a, w, grad, **kw)
+    names = ["out", "grad a", "grad w1", "grad w2", "grad g"]
+    for name, x, y in zip(names, got, want):
+        err = rel_err(x, y)
+        assert err <= FP32_TOL, f"{name}: relative error {err:.3g}"
+    # Slots the op does not use get exact zero gradients.
+    unused = [2, 3] if slot == "pre" else [0, 1]
+    for grad_w in got[2:]:
+        assert torch.count_nonzero(grad_w[:, :, unused]) == 0
+
+
+def test_zero_weights_are_identity(backend):
+    a = torch.randn(2, 4, 7, 7).to(backend.device)
+    w = DCMHAWeights.zeros(2, 7, 4, device=backend.device)
+    for slot in ("pre", "post"):
+        assert torch.equal(backend.dcmha_compose(a, w, slot), a)
+
+
+def test_groups_do_not_mix(backend):
+    # With 2 groups, perturbing group 1's input leaves group 0's output unchanged.
+    a = torch.randn(1, 8, 5, 5).to(backend.device)
+    w = make_weights(1, 5, 8, device=backend.device)
+    a2 = a.clone()
+    a2[:, 4:] += 1.0
+    y1 = backend.dcmha_compose(a, w, "pre", head_groups=2)
+    y2 = backend.dcmha_compose(a2, w, "pre", head_groups=2)
+    assert torch.equal(y1[:, :4], y2[:, :4])
+    assert not torch.equal(y1[:, 4:], y2[:, 4:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_close_to_reference(backend, dtype):
+    a = torch.randn(1, 4, 37, 37).to(backend.device, dtype)
+    w = make_weights(1, 37, 4, device=backend.device, dtype=dtype)
+    got = backend.dcmha_compose(a, w, "post")
+    want = reference.dcmha_compose(a.double(), DCMHAWeights(*(x.double() for x in w)), "post")
+    assert rel_err(got, want) <= 1e-2
+
+
+def test_gradcheck_float64_cpu_kernel():
+    a = torch.randn(2, 4, 5, 5, dtype=torch.float64, requires_grad=True)
+    w = [x.requires_grad_() for x in make_weights(2, 5, 4, dtype=torch.float64, scale=0.8)]
+    for slot, groups in (("pre", 1), ("post", 2)):
+        fn = lambda a, w1, w2, g: headwise.dcmha_compose(a, DCMHAWeights(w1, w2, g), slot,  # noqa: E731
+                                                           head_groups=groups)
+        assert torch.autograd.gradcheck(fn, (a, *w))
+
+
+def test_opcheck(backend):
+    op = getattr(torch.ops, backend.ns).dcmha_compose
+    a = torch.randn(2, 4, 5, 5, device=backend.device, requires_grad=True)
+    w = [x.requires_grad_() for x in make_weights(2, 5, 4, device=backend.device)]
+    for slot, groups in ((0, 1), (1, 2)):
+        torch.library.opcheck(op, (a, *w, slot, groups))
+
+
+def _run(ops):
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(2, 8, 70, 70, generator=gen)
+    w = make_weights(2, 70, 8)
+    return _fwd_bwd(ops.dcmha_compose, a, w, torch.randn(2, 8, 70, 70, generator=gen), slot="pre")
+
+
+def test_deterministic_across_thread_counts(host_backend):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(host_backend)
+        torch.set_num_threads(max(2, threads))
+        many = _run(host_backend)
+    finally:
+        torch.set_num_threads(threads)
+    for x, y in zip(one, many):
+        assert torch.equal(x, y)
+
+
+def test_compiles_fullgraph(host_backend):
+    a = torch.randn(1, 4, 5, 5, requires_grad=True)
+    w = make_weights(1, 5, 4)
+
+    def step(a, w1, w2, g):
+        return host_backend.dcmha_compose(a, DCMHAWeights(w1, w2, g), "post").square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled(a, *w).backward()
+    got = a.grad.clone()
+    a.grad = None
+    step(a, *w).backward()
+    assert torch.equal(got, a.grad)
+
+
+class TestBadInput:
+    def call(self, ops, a=None, w=None, slot="pre", head_groups=1):
+        a = torch.randn(1, 4, 5, 5) if a is None else a
+        w = make_weights(1, 5, 4) if w is None else w
+        return ops.dcmha_compose(a, w, slot, head_groups=head_groups)
+
+    def test_a_not_4d(self, host_backend):
+        with pytest.raises(ValueError, match="a must be 4-D"):
+            self.call(host_backend, a=torch.randn(4, 5, 5))
+
+    def test_a_not_square(self, host_backend):
+        with pytest.raises(ValueError, match="S = T"):
+            self.call(host_backend, a=torch.randn(1, 4, 5, 6))
+
+    def test_bad_slot(self, host_backend):
+        with pytest.raises(ValueError, match="slot"):
+            self.call(host_backend, slot="middle")
+
+    def test_bad_groups(self, host_backend):
+        with pytest.raises(ValueError, match="head_groups"):
+            self.call(host_backend, head_groups=3)
+
+    def test_weight_shapes(self, host_backend):
+        w = make_weights(1, 5, 4)
+        with pytest.raises(ValueError, match="weights.w1 dim 4"):
+            self.call(host_backend, w=DCMHAWeights(w.w1[..., :3], w.w2, w.g))
+        with pytest.raises(ValueError, match="weights.g dim 1"):
+            self.call(host_backend, w=DCMHAWeights(w.w1, w.w2, w.g[:, :4]))
+        with pytest.raises(ValueError, match="weights"):
+            self.call(host_backend, w=(w.w1, w.w2))
+
+    def test_weight_dtype(self, host_backend):
+        w = make_weights(1, 5, 4)
+        with pytest.raises(TypeError, match="weights.w2 must have the dtype of a"):
+            self.call(host_backend, w=DCMHAWeights(w.w1, w.w2.double(), w.g))
+
+    def test_double_rejected_by_sim(self):
+        with pytest.raises(TypeError, match="a must be float32, bfloat16 or float16"):
+            self.call(headwise.testing.backend("sim"), a=torch.randn(1, 4, 5, 5, dtype=torch.float64),
+                      w=make_weights(1, 5, 4, dtype=torch.float64))
