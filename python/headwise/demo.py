@@ -5,7 +5,8 @@ every machine with Python; nothing is downloaded). Each variant is a
 headwise.models.Decoder over the 256 byte values, trained with AdamW on random windows
 of the training split and evaluated on a fixed set of windows of the validation split
 (the last 5% of the bytes). Writes DIR/demo.json (per variant: steps, final and best
-validation loss in nats/byte, tokens/s, peak memory) and DIR/loss.png (validation loss
+validation loss in nats/byte, tokens/s, peak memory: CUDA allocator peak, or on the CPU
+the process's peak resident set during the variant's run) and DIR/loss.png (validation loss
 curves; needs matplotlib, otherwise skipped with a note).
 
 Variants: residual (standard), attnres (single-head routing), mhar (multi-head routing
@@ -29,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .bench.timing import peak_bytes, synchronize
+from .bench.timing import peak_memory, reset_peak_memory, synchronize
 from .models import Decoder, DecoderConfig
 
 VARIANTS = {
@@ -85,6 +86,7 @@ def progress(prefix: str, step: int, total: int, text: str) -> None:
 
 def train_variant(name: str, data: torch.Tensor, args, device: torch.device) -> Result:
     torch.manual_seed(args.seed)
+    reset_peak_memory(device)
     cfg = DecoderConfig(vocab_size=256, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                         **VARIANTS[name])
     model = Decoder(cfg).to(device)
@@ -137,7 +139,7 @@ def train_variant(name: str, data: torch.Tensor, args, device: torch.device) -> 
         tok_s = i * args.batch * args.seq / train_time
         progress(name, i, args.steps, f"loss {loss:.3f}  val {curve[-1][1]:.3f}  "
                                       f"{1e3 * train_time / i:.0f} ms/step  {tok_s:,.0f} tok/s")
-    peak = peak_bytes(lambda: step(batch_at_random()), device)
+    peak = peak_memory(device)
     return Result(name, model.num_parameters(), args.steps, curve[-1][1], min(v for _, v in curve),
                   args.steps * args.batch * args.seq / train_time, 1e3 * train_time / args.steps,
                   None if peak is None else peak / 2**20, curve)

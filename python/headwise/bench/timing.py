@@ -76,6 +76,26 @@ def _proc_status_bytes(key: str) -> Optional[int]:
     return None
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (CUDA allocator peak; CPU: the process's VmHWM)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory(device: torch.device) -> Optional[int]:
+    """Peak memory since reset_peak_memory: CUDA allocated bytes, or (CPU, Linux) the
+    process's peak resident set, which includes the interpreter and libraries."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _proc_status_bytes("VmHWM:")
+
+
 def peak_bytes(fn: Callable[[], None], device: torch.device) -> Optional[int]:
     """Peak memory during ``fn()`` above what was in use before. CUDA: the caching
     allocator's peak. CPU (Linux only, else None): the growth of the process's peak
