@@ -15,10 +15,10 @@ def test_quick_run_of_every_benchmark_writes_json_png_and_trace(tmp_path, capsys
                  "--trace", str(trace)]) == 0
     table = capsys.readouterr().out
     rows = json.loads(out_json.read_text())["rows"]
-    assert {r["op"] for r in rows} >= {"mhar_route", "decoder", "qkv_project", "head_merge"}
+    assert {r["op"] for r in rows} >= {"mhar_route", "decoder", "qkv_project", "head_merge", "dcmha_attention"}
     assert {r["impl"] for r in rows} >= {"eager", "compile", "headwise"}
     assert all(r["ms"] > 0 for r in rows)
     assert "vs compile" in table
     assert out_png.read_bytes()[:4] == b"\x89PNG"
     assert "headwise::mhar_route" in trace.read_text()
-    assert set(BENCHMARKS) >= {"mhar", "qkv", "merge", "model"}
+    assert set(BENCHMARKS) >= {"mhar", "qkv", "merge", "dcmha", "model"}

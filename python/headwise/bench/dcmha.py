@@ -10,7 +10,7 @@ import torch
 import headwise
 from headwise import DCMHAWeights, reference
 
-from .timing import Row, median_ms, peak_bytes, saved_bytes
+from .timing import Row, time_modes
 
 CPU_SHAPE = dict(b=1, h=8, t=1024, dh=64)
 GPU_SHAPE = dict(b=2, h=16, t=4096, dh=128)
@@ -43,39 +43,6 @@ def run(device: torch.device, dtype: torch.dtype, repeats: int, shape: dict | No
     impls = {"eager": ref, "compile": torch.compile(ref, dynamic=False), "headwise": fused}
     label = f"B={b} H={h} T={t} dh={dh} causal"
     dname = str(dtype).replace("torch.", "")
-    rows = []
-    warmup = 2
-    for impl, fn in impls.items():
-        forward = lambda fn=fn: fn(*leaves)  # noqa: E731
-
-        def clear():
-            for x in leaves:
-                x.grad = None
-
-        def fwd_only(forward=forward):
-            with torch.no_grad():
-                forward()
-
-        def fwd_bwd(forward=forward):
-            forward().backward(grad)
-
-        state = {}
-
-        def make_graph(forward=forward):
-            clear()
-            state["out"] = forward()
-
-        def bwd_only():
-            state.pop("out").backward(grad)
-
-        saved = saved_bytes(forward, leaves)
-        rows.append(Row("dcmha_attention", label, dname, "fwd", impl,
-                        median_ms(fwd_only, device, repeats=repeats, warmup=warmup),
-                        peak_bytes=peak_bytes(fwd_only, device)))
-        rows.append(Row("dcmha_attention", label, dname, "bwd", impl,
-                        median_ms(bwd_only, device, repeats=repeats, warmup=warmup, setup=make_graph)))
-        rows.append(Row("dcmha_attention", label, dname, "fwd+bwd", impl,
-                        median_ms(fwd_bwd, device, repeats=repeats, warmup=warmup, setup=clear),
-                        saved_bytes=saved, peak_bytes=peak_bytes(fwd_bwd, device)))
-        clear()
-    return rows
+    forwards = {name: (lambda fn=fn: fn(*leaves)) for name, fn in impls.items()}
+    return time_modes("dcmha_attention", label, dname, device, repeats, forwards, leaves,
+                      lambda out: out.backward(grad), warmup=2)

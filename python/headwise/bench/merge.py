@@ -59,7 +59,7 @@ def run(device: torch.device, dtype: torch.dtype, repeats: int, shape: dict | No
             "headwise": lambda z=z, w=w, bias=bias: headwise.head_merge(z, w, bias),
         }
         label = f"B={b} H={h} Q={q} Dv={dv} D={d} z={layout}"
-        _time_impls("head_merge", label, dname, device, repeats, impls, leaves, grad, ("fwd", "fwd+bwd"), rows)
+        _time_impls("head_merge", label, dname, device, repeats, impls, leaves, grad, ("fwd", "bwd", "fwd+bwd"), rows)
 
     # 2. Stats: explicit per-head products [B, Q, H, D] vs the merge's own pass.
     z, w, bias, grad = _inputs(shape, device, dtype)
