@@ -76,16 +76,18 @@ def _proc_status_bytes(key: str) -> Optional[int]:
     return None
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory window (CUDA allocator peak; CPU: the process's VmHWM)."""
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak-memory window (CUDA allocator peak; CPU: the process's VmHWM);
+    False where the CPU window cannot be reset (no /proc/self/clear_refs)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return
+        return True
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass
+        return False
+    return True
 
 
 def peak_memory(device: torch.device) -> Optional[int]:
@@ -101,22 +103,14 @@ def peak_bytes(fn: Callable[[], None], device: torch.device) -> Optional[int]:
     allocator's peak. CPU (Linux only, else None): the growth of the process's peak
     resident set (VmHWM, reset through /proc/self/clear_refs) over its resident set
     before the call: it counts every allocation, tensors or not."""
-    if device.type != "cuda":
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            return None
-        base = _proc_status_bytes("VmRSS:")
-        fn()
-        peak = _proc_status_bytes("VmHWM:")
-        return None if base is None or peak is None else max(0, peak - base)
     synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
+    if not reset_peak_memory(device):
+        return None
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else _proc_status_bytes("VmRSS:")
     fn()
     synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
+    peak = peak_memory(device)
+    return None if base is None or peak is None else max(0, peak - base)
 
 
 @dataclass
