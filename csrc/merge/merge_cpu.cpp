@@ -11,10 +11,15 @@
 //     alpha[b,h] = s[b] * g[b,h]; each run is one GEMM with alpha as the GEMM's scale,
 //     so a closed head (g == 0) costs neither reads nor FLOPs, and binary gates with
 //     rescale cost one GEMM per run of open heads.
-//   - stats: z_norm from the tile's rows; out_norm through the Gram identity
-//     ||z W_h^T||^2 = z^T (W_h^T W_h) z with G_h = W_h^T W_h [Dv, Dv] formed once per
-//     call, i.e. Q*Dv*Dv extra FLOPs per head instead of Q*Dv*D and no [B, Q, H, D]
-//     tensor (clamped at 0 before the square root).
+//   - stats: z_norm from the tile's rows; out_norm through a triangular factor R_h
+//     [r, Dv] of each head's block, R_h^T R_h = W_h^T W_h (r = min(D, Dv)), formed once
+//     per call: ||z W_h^T|| = ||z R_h^T||, i.e. Q*Dv*r extra FLOPs per head instead of
+//     Q*Dv*D and no [B, Q, H, D] tensor. A sum of squares, so no cancellation: a head whose
+//     contribution is tiny relative to ||z|| ||W_h|| keeps its relative accuracy (the
+//     fp32 Gram form z^T (W_h^T W_h) z would not). R_h is the Cholesky factor of the
+//     Gram matrix formed in fp64 (fp32 weights; rounded to fp32 afterwards: as accurate
+//     as a QR of W_h, at a fraction of its cost), or, for fp64 weights and for heads
+//     whose Gram matrix is numerically singular, the R of a fp64 QR of W_h.
 // Backward: grad_z = alpha * grad_out_b @ W_h per tile (one GEMM per run of needed heads,
 // written straight into z's layout); the gate's gradient from c[b,h] = <Z_bh, grad_out_b
 // @ W_h> (per tile partials summed in tile order); grad_weight_o per head as
@@ -32,6 +37,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace headwise {
@@ -64,6 +70,19 @@ void gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t as0, int
 }
 
 constexpr int64_t kRows = 256;  // query rows per tile (large GEMMs: BLAS efficiency)
+
+// sum_j x[j]^2 with eight independent partial sums (vectorizable), added in a fixed order.
+template <typename A>
+A sum_sq(const A* x, int64_t n) {
+  A acc[8] = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += x[j + l] * x[j + l];
+  for (; j < n; ++j) acc[0] += x[j] * x[j];
+  A total = 0;
+  for (int l = 0; l < 8; ++l) total += acc[l];
+  return total;
+}
 
 // Per batch row: s[b] and alpha[b,h] = s[b] g[b,h] (g = 1 without a gate), and the
 // derivative ds/dS of the rescale (0 where the clip is active or without rescale).
@@ -124,6 +143,47 @@ std::vector<Run> open_runs(const Coeffs& c, int64_t b, int64_t H, bool split_alp
   return runs;
 }
 
+// Lower Cholesky factor L (G = L L^T) of a symmetric [n, n] fp64 matrix, in place of its
+// lower triangle (the upper triangle zeroed). False when a pivot is not clearly positive
+// (G numerically singular: the caller falls back to QR).
+bool cholesky_lower(double* g, int64_t n) {
+  double max_diag = 0;
+  for (int64_t k = 0; k < n; ++k) max_diag = std::max(max_diag, g[k * n + k]);
+  const double tiny = 64 * std::numeric_limits<double>::epsilon() * max_diag;
+  for (int64_t k = 0; k < n; ++k) {
+    double d = g[k * n + k];
+    for (int64_t j = 0; j < k; ++j) d -= g[k * n + j] * g[k * n + j];
+    if (!(d > tiny)) return false;
+    const double lkk = std::sqrt(d);
+    g[k * n + k] = lkk;
+    for (int64_t i = k + 1; i < n; ++i) {
+      double v = g[i * n + k];
+      for (int64_t j = 0; j < k; ++j) v -= g[i * n + j] * g[k * n + j];
+      g[i * n + k] = v / lkk;
+    }
+    for (int64_t j = k + 1; j < n; ++j) g[k * n + j] = 0;
+  }
+  return true;
+}
+
+// R_h^T [H, Dv, r] in fp64 with R_h^T R_h = W_h^T W_h, W_h = weight_o[:, h*Dv:(h+1)*Dv]
+// (see the file comment for the method).
+at::Tensor norm_factors_t(const at::Tensor& wA, int64_t H) {
+  const int64_t D = wA.size(0), Dv = wA.size(1) / H;
+  const at::Tensor wh = wA.unflatten(1, {H, Dv}).permute({1, 0, 2}).to(at::kDouble);  // [H, D, Dv]
+  auto qr_rt = [&](const at::Tensor& w) { return std::get<1>(at::linalg_qr(w, "r")).transpose(-2, -1); };
+  if (wA.scalar_type() == at::kDouble || D < Dv) return qr_rt(wh).contiguous();
+  at::Tensor l = at::bmm(wh.transpose(1, 2), wh).contiguous();  // Gram [H, Dv, Dv], fp64
+  std::vector<char> ok(H);
+  double* lp = l.data_ptr<double>();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) ok[h] = cholesky_lower(lp + h * Dv * Dv, Dv);
+  });
+  for (int64_t h = 0; h < H; ++h)
+    if (!ok[h]) l[h].copy_(qr_rt(wh[h]));
+  return l;  // L = R^T
+}
+
 template <typename T, typename A>
 void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional<at::Tensor>& bias,
                   const Coeffs& co, const Shape& sh, at::Tensor& out, at::Tensor* z_norm, at::Tensor* out_norm) {
@@ -139,14 +199,13 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
   const bool direct = std::is_same_v<T, A> && (H == 1 || shh == Dv) && (Q == 1 || sq >= K);
   const int64_t ld_direct = Q == 1 ? K : sq;
 
-  // Gram matrices G_h = W_h^T W_h [Dv, Dv] (row-major, symmetric) for out_norm.
-  std::vector<A> gram;
+  // Per head, R_h^T [Dv, r] (row-major), for out_norm = ||z R_h^T||.
+  const int64_t r = std::min(D, Dv);
+  at::Tensor rt;
+  const A* rtp = nullptr;
   if (stats) {
-    gram.resize(static_cast<size_t>(H * Dv * Dv));
-    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
-      for (int64_t h = h0; h < h1; ++h)
-        gemm(Dv, Dv, D, A(1), w + h * Dv, 1, ldw, w + h * Dv, ldw, 1, A(0), gram.data() + h * Dv * Dv, Dv);
-    });
+    rt = norm_factors_t(wA, H).to(c10::CppTypeToScalarType<A>::value);
+    rtp = rt.data_ptr<A>();
   }
   if (direct && !stats) {
     // No tiles: per run of open heads, one GEMM over every row of the batch rows that
@@ -189,7 +248,7 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
   at::parallel_for(0, B * qtiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<A> zs(direct ? 0 : static_cast<size_t>(kRows * K));
     std::vector<A> ys(std::is_same_v<T, A> ? 0 : static_cast<size_t>(kRows * D));
-    std::vector<A> tmp(stats ? static_cast<size_t>(H * kRows * Dv) : 0);
+    std::vector<A> tmp(stats ? static_cast<size_t>(H * kRows * r) : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / qtiles, q0 = (t % qtiles) * kRows, rows = std::min(kRows, Q - q0);
       const std::vector<Run> runs = open_runs(co, b, H, /*split_alpha=*/true, false);
@@ -211,49 +270,28 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
         ldz = K;
       }
       if (stats) {
-        // tmp[h, r, :] = G_h z[r, h]: one batched GEMM over heads when every head of the
+        // tmp[h, i, :] = z[i, h] R_h^T: one batched GEMM over heads when every head of the
         // row is open (closed heads' Z must not be read), else one GEMM per open head.
         bool all_open = true;
         for (int64_t h = 0; h < H; ++h) all_open = all_open && co.g[b * H + h] != 0.0;
         if (all_open && H > 1) {
           const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value).device(at::kCPU);
-          at::Tensor tv = at::from_blob(tmp.data(), {H, rows, Dv}, {rows * Dv, Dv, 1}, opts);
-          at::bmm_out(tv, at::from_blob(const_cast<A*>(zt), {H, rows, Dv}, {Dv, ldz, 1}, opts),
-                      at::from_blob(gram.data(), {H, Dv, Dv}, {Dv * Dv, Dv, 1}, opts));
+          at::Tensor tv = at::from_blob(tmp.data(), {H, rows, r}, {rows * r, r, 1}, opts);
+          at::bmm_out(tv, at::from_blob(const_cast<A*>(zt), {H, rows, Dv}, {Dv, ldz, 1}, opts), rt);
         } else {
           for (int64_t h = 0; h < H; ++h)
             if (co.g[b * H + h] != 0.0)
-              gemm(rows, Dv, Dv, A(1), zt + h * Dv, ldz, 1, gram.data() + h * Dv * Dv, Dv, 1, A(0),
-                   tmp.data() + h * rows * Dv, Dv);
+              gemm(rows, r, Dv, A(1), zt + h * Dv, ldz, 1, rtp + h * Dv * r, r, 1, A(0), tmp.data() + h * rows * r, r);
         }
         for (int64_t h = 0; h < H; ++h) {
           const int64_t base = (b * Q + q0) * H + h;
           if (co.g[b * H + h] == 0.0) {
-            for (int64_t r = 0; r < rows; ++r) zn[base + r * H] = on[base + r * H] = 0.f;
+            for (int64_t i = 0; i < rows; ++i) zn[base + i * H] = on[base + i * H] = 0.f;
             continue;
           }
-          for (int64_t r = 0; r < rows; ++r) {
-            const A* zr = zt + r * ldz + h * Dv;
-            const A* tr = tmp.data() + (h * rows + r) * Dv;
-            // Eight independent partial sums (vectorizable), then added in a fixed order.
-            A zz8[8] = {}, zg8[8] = {};
-            int64_t j = 0;
-            for (; j + 8 <= Dv; j += 8)
-              for (int l = 0; l < 8; ++l) {
-                zz8[l] += zr[j + l] * zr[j + l];
-                zg8[l] += zr[j + l] * tr[j + l];
-              }
-            for (; j < Dv; ++j) {
-              zz8[0] += zr[j] * zr[j];
-              zg8[0] += zr[j] * tr[j];
-            }
-            A zz = 0, zgz = 0;
-            for (int l = 0; l < 8; ++l) {
-              zz += zz8[l];
-              zgz += zg8[l];
-            }
-            zn[base + r * H] = static_cast<float>(std::sqrt(zz));
-            on[base + r * H] = static_cast<float>(std::sqrt(std::max(zgz, A(0))));
+          for (int64_t i = 0; i < rows; ++i) {
+            zn[base + i * H] = static_cast<float>(std::sqrt(sum_sq(zt + i * ldz + h * Dv, Dv)));
+            on[base + i * H] = static_cast<float>(std::sqrt(sum_sq(tmp.data() + (h * rows + i) * r, r)));
           }
         }
       }

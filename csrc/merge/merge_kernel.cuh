@@ -131,16 +131,19 @@ struct FwdParams {
   int64_t batch, heads, seq, dv, d;
 };
 
-// grid (ceil(D / kBN), ceil(Q / kBM), B), kThreads threads.
+// grid (B * ceil(D / kBN), ceil(Q / kBM)), kThreads threads: blockIdx.x = b * n_tiles +
+// column tile (the batch on x, whose limit is 2^31 - 1, not on y/z's 65535).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) head_merge_fwd_kernel(FwdParams p) {
   __shared__ float As[kBK * kBM];
   __shared__ float Bs[kBK * kBN];
   const int tid = static_cast<int>(threadIdx.x);
   const int tx = tid % 16, ty = tid / 16;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBN;
+  const int64_t n_tiles = (p.d + kBN - 1) / kBN;
+  const int64_t tile_n = static_cast<int64_t>(blockIdx.x) % n_tiles;
+  const int64_t b = static_cast<int64_t>(blockIdx.x) / n_tiles;
+  const int64_t n0 = tile_n * kBN;
   const int64_t q0 = static_cast<int64_t>(blockIdx.y) * kBM;
-  const int64_t b = blockIdx.z;
   const int64_t rows = p.seq - q0 < kBM ? p.seq - q0 : kBM;
   const int64_t cols = p.d - n0 < kBN ? p.d - n0 : kBN;
   const T* z = static_cast<const T*>(p.z);
@@ -158,8 +161,8 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_kernel(FwdParams p) {
         for (int i = 0; i < kRowsPerThread; ++i) {
           const int64_t r = ty + 16 * i;
           if (r < rows) {
-            p.onorm_part[blockIdx.x * p.batch * p.seq * p.heads + stat_base + r * p.heads] = 0.f;
-            if (blockIdx.x == 0) p.znorm_sq[stat_base + r * p.heads] = 0.f;
+            p.onorm_part[tile_n * p.batch * p.seq * p.heads + stat_base + r * p.heads] = 0.f;
+            if (tile_n == 0) p.znorm_sq[stat_base + r * p.heads] = 0.f;
           }
         }
       }
@@ -177,9 +180,9 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_kernel(FwdParams p) {
         for (int j = 0; j < kColsPerThread; ++j) sq += hacc[i][j] * hacc[i][j];  // 0 beyond D
         sq = hw::warp_segment_sum(sq, 16);
         const int64_t r = ty + 16 * i;
-        if (tx == 0 && r < rows) p.onorm_part[blockIdx.x * p.batch * p.seq * p.heads + stat_base + r * p.heads] = sq;
+        if (tx == 0 && r < rows) p.onorm_part[tile_n * p.batch * p.seq * p.heads + stat_base + r * p.heads] = sq;
       }
-      if (blockIdx.x == 0 && tid < rows) {
+      if (tile_n == 0 && tid < rows) {
         const T* zr = z + b * p.z_sb + h * p.z_sh + (q0 + tid) * p.z_sq;
         float zz = 0.f;
         for (int64_t j = 0; j < p.dv; ++j) {
@@ -238,7 +241,8 @@ struct BwdParams {
   int64_t batch, heads, seq, dv, d;
 };
 
-// grad_z tiles: grid (ceil(Dv / kBN), ceil(Q / kBM), B * H), kThreads threads.
+// grad_z tiles: grid (B * H * ceil(Dv / kBN), ceil(Q / kBM)), kThreads threads:
+// blockIdx.x = (b * H + h) * dv_tiles + column tile.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) head_merge_bwd_dz_kernel(BwdParams p) {
   __shared__ float As[kBK * kBM];
@@ -246,9 +250,12 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dz_kernel(BwdParams p
   __shared__ float red[64];
   const int tid = static_cast<int>(threadIdx.x);
   const int tx = tid % 16, ty = tid / 16;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBN;
+  const int64_t dv_tiles = (p.dv + kBN - 1) / kBN;
+  const int64_t tile_n = static_cast<int64_t>(blockIdx.x) % dv_tiles;
+  const int64_t bh = static_cast<int64_t>(blockIdx.x) / dv_tiles;
+  const int64_t n0 = tile_n * kBN;
   const int64_t q0 = static_cast<int64_t>(blockIdx.y) * kBM;
-  const int64_t b = blockIdx.z / p.heads, h = blockIdx.z % p.heads;
+  const int64_t b = bh / p.heads, h = bh % p.heads;
   const int64_t rows = p.seq - q0 < kBM ? p.seq - q0 : kBM;
   const int64_t cols = p.dv - n0 < kBN ? p.dv - n0 : kBN;
   const T* z = static_cast<const T*>(p.z);
@@ -279,7 +286,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dz_kernel(BwdParams p
     hw::BlockSum block_sum(red);
     c = block_sum(c);
     if (tid == 0)
-      p.c_part[(b * p.heads + h) * gridDim.y * gridDim.x + blockIdx.y * gridDim.x + blockIdx.x] = c;
+      p.c_part[(bh * gridDim.y + blockIdx.y) * dv_tiles + tile_n] = c;
   }
 }
 

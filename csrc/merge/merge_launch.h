@@ -26,14 +26,19 @@ using hw::kBackendDevice;
 using hw::on_backend_device;
 
 constexpr int64_t kMaxGridYZ = 65535;
+constexpr int64_t kMaxGridX = 2147483647;
 
 inline void check_backend(const at::Tensor& z, const Shape& s, const char* op) {
   TORCH_CHECK(on_backend_device(z), "headwise.", op, ": z is on ", z.device(), " but ", kBackendDevice);
   dispatch_storage_dtype(z.scalar_type(), op, "z", [](auto) {});
+  // Grid x carries the batch (and heads) times the column tiles (limit 2^31 - 1); y
+  // carries query or weight-row tiles, z the heads (limit 65535 each).
+  const int64_t col_tiles = std::max((s.d + kBN - 1) / kBN, (s.dv + kBN - 1) / kBN);
   TORCH_CHECK_VALUE((s.seq + kBM - 1) / kBM <= kMaxGridYZ && (s.d + kBM - 1) / kBM <= kMaxGridYZ &&
-                        s.batch * s.heads <= kMaxGridYZ,
+                        s.heads <= kMaxGridYZ && s.batch * s.heads * col_tiles <= kMaxGridX,
                     "headwise.", op, ": shape too large for the CUDA grid (Q/", kBM, ", D/", kBM,
-                    " and B*H must be at most ", kMaxGridYZ, "), got z ", shape_str(z));
+                    " and H must be at most ", kMaxGridYZ, ", B*H*ceil(max(D, Dv)/", kBN, ") at most ", kMaxGridX,
+                    "), got z ", shape_str(z));
 }
 
 // The gate as fp32 on its device (undefined when absent) and its view for the kernels.
@@ -92,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_merge)(
   p.seq = s.seq;
   p.dv = s.dv;
   p.d = s.d;
-  const dim3 grid(static_cast<unsigned>(n_tiles), cdiv(s.seq, kBM), static_cast<unsigned>(s.batch));
+  const dim3 grid(static_cast<unsigned>(s.batch * n_tiles), cdiv(s.seq, kBM));
   dispatch_storage_dtype(z.scalar_type(), op, "z", [&](auto tag) {
     using T = decltype(tag);
     auto kernel = &head_merge_fwd_kernel<T>;
@@ -157,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_m
   dispatch_storage_dtype(z.scalar_type(), op, "z", [&](auto tag) {
     using T = decltype(tag);
     auto dz = &head_merge_bwd_dz_kernel<T>;
-    HW_LAUNCH("head_merge_bwd_dz", dz, dim3(dv_tiles, q_tiles, static_cast<unsigned>(s.batch * s.heads)),
+    HW_LAUNCH("head_merge_bwd_dz", dz, dim3(static_cast<unsigned>(s.batch * s.heads * dv_tiles), q_tiles),
               dim3(kThreads), 0, p);
     auto dw = &head_merge_bwd_dw_kernel<T>;
     HW_LAUNCH("head_merge_bwd_dw", dw, dim3(dv_tiles, cdiv(s.d, kBM), static_cast<unsigned>(s.heads)),

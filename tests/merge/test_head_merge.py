@@ -231,6 +231,44 @@ def test_stats_against_explicit_per_head_products(backend):
     torch.testing.assert_close(backend.head_merge(z, w, bias, head_gate=gate), with_stats, rtol=1e-6, atol=1e-6)
 
 
+def test_out_norm_keeps_relative_accuracy_for_a_near_dead_head(backend):
+    """A head whose output is tiny relative to ||z|| ||W_h||: W_h = 10 u v^T + 1e-4 N with
+    every z row orthogonal to v, so ||z W_h^T|| ~ 1e-4 ||z|| while ||W_h|| ~ 10. A Gram
+    form z^T (W_h^T W_h) z loses everything to cancellation in fp32; out_norm must keep
+    its relative accuracy (fp64 products as the truth)."""
+    gen = torch.Generator().manual_seed(5)
+    b, h, q, dv, d = 1, 2, 37, 16, 40
+    v = torch.nn.functional.normalize(torch.randn(dv, generator=gen), dim=0)
+    z = torch.randn(b, h, q, dv, generator=gen)
+    z = z - (z @ v).unsqueeze(-1) * v  # rows orthogonal to v
+    w = torch.randn(d, h * dv, generator=gen) / dv ** 0.5
+    u = torch.randn(d, generator=gen)
+    w[:, :dv] = 10 * torch.outer(u, v) + 1e-4 * torch.randn(d, dv, generator=gen)
+    _, st = backend.head_merge(z, w, return_stats=True)
+    want = (z[:, 0].double() @ w[:, :dv].double().t()).norm(dim=-1)
+    assert want.max() < 1e-3 * z[:, 0].norm(dim=-1).min() * w[:, :dv].norm()
+    torch.testing.assert_close(st.out_norm[:, :, 0].double(), want, rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_out_norm_with_rank_deficient_heads(host_backend, dtype):
+    """Heads whose W_h is zero or has repeated columns (a singular W_h^T W_h: the CPU
+    kernel's Cholesky factor does not exist and it falls back to QR): out_norm still
+    equals the explicit per-head product's norm. fp64 on the CPU backend only."""
+    if dtype == torch.float64 and host_backend.ns != "headwise":
+        pytest.skip("fp64 is a CPU-backend dtype")
+    gen = torch.Generator().manual_seed(6)
+    b, h, q, dv, d = 2, 3, 5, 8, 24
+    z = torch.randn(b, h, q, dv, generator=gen, dtype=dtype)
+    w = torch.randn(d, h * dv, generator=gen, dtype=dtype)
+    w[:, :dv] = 0  # a zeroed head
+    w[:, dv : 2 * dv] = w[:, dv : dv + 1].repeat(1, dv)  # rank 1
+    _, st = host_backend.head_merge(z, w, return_stats=True)
+    for hh in range(h):
+        want = (z[:, hh] @ w[:, hh * dv : (hh + 1) * dv].t()).norm(dim=-1).float()
+        torch.testing.assert_close(st.out_norm[:, :, hh], want, rtol=1e-5, atol=1e-5)
+
+
 def test_transposed_view_is_read_in_place(host_backend):
     """z as a transposed view of [B, Q, H, Dv] memory: correct, grad_z in z's strides,
     and no [B, Q, H*Dv]-sized copy is made (peak extra memory below one z)."""
