@@ -12,7 +12,7 @@ import torch
 import headwise
 from headwise import reference
 
-from .timing import Row, time_modes
+from .timing import Row, median_ms, time_modes
 
 # z in the layout attention produces ([B, H, Q, Dv], e.g. scaled_dot_product_attention's
 # output): eager must transpose + copy it before the projection; headwise reads it in place.
@@ -60,6 +60,26 @@ def run(device: torch.device, dtype: torch.dtype, repeats: int, shape: dict | No
         }
         label = f"B={b} H={h} Q={q} Dv={dv} D={d} z={layout}"
         _time_impls("head_merge", label, dname, device, repeats, impls, leaves, grad, ("fwd", "bwd", "fwd+bwd"), rows)
+
+    # The bare GEMMs the merge contains, on an already concatenated [B*Q, H*Dv] input: the
+    # forward's product, and the backward's two (grad input, grad weight). No
+    # implementation that runs these FLOPs can beat them; on the CPU eager's composition
+    # is them plus one transpose copy (SPEC section 7: the GPU target is within 1.1x).
+    x2 = torch.randn(b * q, h * dv, device=device, dtype=dtype)
+    w2, g2 = w.detach(), grad.reshape(b * q, d)
+    gemm_fwd = lambda: torch.mm(x2, w2.t())  # noqa: E731
+
+    def gemm_bwd():
+        torch.mm(g2, w2)
+        torch.mm(g2.t(), x2)
+
+    def gemm_fwd_bwd():
+        gemm_fwd()
+        gemm_bwd()
+
+    label = f"B={b} H={h} Q={q} Dv={dv} D={d}"
+    for mode, fn in (("fwd", gemm_fwd), ("bwd", gemm_bwd), ("fwd+bwd", gemm_fwd_bwd)):
+        rows.append(Row("merge_gemm", label, dname, mode, "gemm", median_ms(fn, device, repeats=repeats, warmup=3)))
 
     # 2. Stats: explicit per-head products [B, Q, H, D] vs the merge's own pass.
     z, w, bias, grad = _inputs(shape, device, dtype)
