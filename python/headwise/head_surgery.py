@@ -152,20 +152,32 @@ def _kv_plan(layout, remove_q: set, kv_heads, fn: str):
     return q_index, kv_index
 
 
-def _transform_optimizer_state(optimizer, pairs: Dict[int, tuple]):
+def _transform_optimizer_state(optimizer, pairs: Dict[int, tuple], fn_name: str):
     """New optimizer state tensors for the parameters in ``pairs`` (id(old) -> (old, new,
-    fn)): each state entry shaped like the parameter goes through fn; others (step) are
-    kept. Returns the list of (old, new, new_state); nothing is modified here."""
+    fn, dim), fn remapping the heads along ``dim``): each state tensor shaped like the
+    parameter goes through fn; a factored one (the parameter's shape with some sizes 1,
+    e.g. Adafactor's ``row_var [N, 1]`` / ``col_var [1, C]``) goes through fn when it spans
+    ``dim`` and is kept when its size there is 1; scalars (``step``) and non-tensors are
+    kept. Any other tensor shape is refused (pruning it is undefined). Returns the list of
+    (old, new, new_state); nothing is modified here."""
     plan = []
-    for old, new, fn in pairs.values():
+    for old, new, fn, dim in pairs.values():
         state = optimizer.state.get(old, None)
         new_state = {}
         if state is not None:
             for k, v in state.items():
-                if isinstance(v, torch.Tensor) and v.shape == old.shape:
-                    new_state[k] = fn(v)
-                else:
+                if not isinstance(v, torch.Tensor) or v.dim() == 0:
                     new_state[k] = v
+                elif v.shape == old.shape:
+                    new_state[k] = fn(v)
+                elif v.dim() == old.dim() and all(a in (1, b) for a, b in zip(v.shape, old.shape)):
+                    new_state[k] = fn(v) if v.shape[dim] == old.shape[dim] else v
+                else:
+                    raise ValueError(
+                        f"headwise.{fn_name}: optimizer state {k!r} of a {list(old.shape)} parameter has shape "
+                        f"{list(v.shape)}, which is neither the parameter's shape nor a factored (size-1) form of it; "
+                        "cannot prune it"
+                    )
         plan.append((old, new, new_state if state is not None else None))
     return plan
 
@@ -192,8 +204,9 @@ def prune_heads(
 
     When the tensors are ``nn.Parameter``s the results are new Parameters (same
     ``requires_grad``). With ``optimizer``, its state of those parameters (tensors shaped
-    like the parameter, e.g. Adam's ``exp_avg`` / ``exp_avg_sq``) is pruned the same way
-    and re-keyed to the new Parameters, which also replace the old ones in
+    like the parameter, e.g. Adam's ``exp_avg`` / ``exp_avg_sq``, and factored ones like
+    Adafactor's ``row_var`` / ``col_var``) is pruned the same way and re-keyed to the new
+    Parameters, which also replace the old ones in
     ``optimizer.param_groups``. The call is transactional: every result is computed and
     checked first; the optimizer is modified only after that, so a failing call leaves it
     (and the inputs, which are never modified) unchanged.
@@ -221,10 +234,10 @@ def prune_heads(
         new_o = rewrap(o_weight, f_o(o_weight.detach()))
         plan = []
         if optimizer is not None:
-            pairs = {id(qkv_weight): (qkv_weight, new_w, f_qkv), id(o_weight): (o_weight, new_o, f_o)}
+            pairs = {id(qkv_weight): (qkv_weight, new_w, f_qkv, 0), id(o_weight): (o_weight, new_o, f_o, 1)}
             if qkv_bias is not None:
-                pairs[id(qkv_bias)] = (qkv_bias, new_b, f_qkv)
-            plan = _transform_optimizer_state(optimizer, pairs)
+                pairs[id(qkv_bias)] = (qkv_bias, new_b, f_qkv, 0)
+            plan = _transform_optimizer_state(optimizer, pairs, fn)
     # Commit: nothing above modified the optimizer.
     if optimizer is not None:
         replace = {id(old): new for old, new, _ in plan}

@@ -193,6 +193,41 @@ def test_prune_optimizer_state_and_transaction():
     opt.step()
 
 
+def test_prune_factored_optimizer_state():
+    """Adafactor keeps factored second moments (row_var [N, 1], col_var [1, C]): the
+    factor spanning the pruned axis is pruned, the other kept, and training continues."""
+    layout = MiniLayout(4, 2, 3)
+    qkv_w, qkv_b, o_w, o_b = (torch.nn.Parameter(t) for t in make_module(layout))
+    opt = torch.optim.Adafactor([qkv_w, qkv_b, o_w, o_b], lr=1e-2)
+    x = torch.randn(2, 5, 8)
+    attention(layout, x, qkv_w, qkv_b, o_w, o_b, merge=headwise.head_merge).square().sum().backward()
+    opt.step()
+    before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in (qkv_w, qkv_b, o_w)}
+    p = headwise.prune_heads(layout, qkv_w, o_w, [0, 1], qkv_bias=qkv_b, optimizer=opt)  # KV group 0 goes too
+    keep_rows = torch.tensor(list(range(6, 12)) + list(range(15, 18)) + list(range(21, 24)))  # q 2-3, kv 1
+    st_w, st_o = opt.state[p.qkv_weight], opt.state[p.o_weight]
+    assert st_w["row_var"].shape == (p.qkv_weight.shape[0], 1) and st_w["col_var"].shape == (1, 8)
+    assert torch.equal(st_w["col_var"], before[id(qkv_w)]["col_var"])
+    assert torch.equal(st_w["row_var"], before[id(qkv_w)]["row_var"][keep_rows])
+    assert st_o["row_var"].shape == (o_w.shape[0], 1) and st_o["col_var"].shape == (1, p.o_weight.shape[1])
+    assert torch.equal(st_o["row_var"], before[id(o_w)]["row_var"])
+    keep_cols = torch.tensor([c for c in range(o_w.shape[1]) if c // 3 >= 2])
+    assert torch.equal(st_o["col_var"], before[id(o_w)]["col_var"][:, keep_cols])
+    assert torch.equal(opt.state[p.qkv_bias]["variance"], before[id(qkv_b)]["variance"][keep_rows])
+    attention(p.layout, x, p.qkv_weight, p.qkv_bias, p.o_weight, o_b, merge=headwise.head_merge).sum().backward()
+    opt.step()
+
+
+def test_prune_refuses_an_unknown_state_shape():
+    layout = MiniLayout(4, 4, 3)
+    qkv_w, qkv_b, o_w, o_b = (torch.nn.Parameter(t) for t in make_module(layout))
+    opt = torch.optim.SGD([qkv_w, o_w], lr=1e-2)
+    opt.state[o_w]["odd"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="odd"):
+        headwise.prune_heads(layout, qkv_w, o_w, [1], optimizer=opt)
+    assert opt.param_groups[0]["params"][1] is o_w and "odd" in opt.state[o_w]
+
+
 def test_scores_from_stats():
     b, h, q, dv, d = 2, 4, 9, 8, 16
     z = torch.randn(b, h, q, dv) * torch.tensor([1.0, 0.05, 2.0, 1.0]).view(1, h, 1, 1)
