@@ -168,7 +168,7 @@ struct TileMath {
       for (int64_t i = 0; i < nq; ++i) {
         const A mi = m[h * geo.T + t0 + i], li = l[h * geo.T + t0 + i];
         A* p = P + (h * TQ + i) * TK;
-        if (!(li > A(0))) {  // a fully masked row
+        if (li == A(0)) {  // a fully masked row (a NaN l propagates)
           std::fill(p, p + TK, A(0));
           continue;
         }
@@ -205,12 +205,19 @@ HW_CPU_INLINE void attention_fwd_task(const Geometry& geo, const TileMath<A>& tm
         for (int64_t h = 0; h < H; ++h)
           for (int64_t i = 0; i < nq; ++i) {
             const A* x = Lc + (h * TQ + i) * TK;
+            // NaN-propagating max (std::max drops a NaN): a NaN logit must reach m and l,
+            // not be skipped as if the row were masked.
             A mx = ninf;
-            for (int64_t j = 0; j < TK; ++j) mx = std::max(mx, x[j]);
+            bool nan = false;
+            for (int64_t j = 0; j < TK; ++j) {
+              mx = std::max(mx, x[j]);
+              nan |= x[j] != x[j];
+            }
+            if (nan) mx = std::numeric_limits<A>::quiet_NaN();
             if (mx == ninf) continue;
             A& mi = m[h * T + t0 + i];
             A& li = l[h * T + t0 + i];
-            const A mn = std::max(mi, mx);
+            const A mn = nan ? mx : std::max(mi, mx);  // std::max keeps a NaN mi
             A e[TK];
             cpu::exp_row(x, mn, e, TK);
             A sum[1];
