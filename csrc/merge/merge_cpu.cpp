@@ -290,8 +290,21 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
             continue;
           }
           for (int64_t i = 0; i < rows; ++i) {
-            zn[base + i * H] = static_cast<float>(std::sqrt(sum_sq(zt + i * ldz + h * Dv, Dv)));
-            on[base + i * H] = static_cast<float>(std::sqrt(sum_sq(tmp.data() + (h * rows + i) * r, r)));
+            const A* zr = zt + i * ldz + h * Dv;
+            const A zz = sum_sq(zr, Dv);
+            zn[base + i * H] = static_cast<float>(std::sqrt(zz));
+            A oo = sum_sq(tmp.data() + (h * rows + i) * r, r);
+            if (!std::isfinite(zz)) {
+              // A non-finite z row: the product with W_h itself, as the reference forms it
+              // (z R_h^T would meet R_h's zeros as inf * 0 = NaN where z W_h^T is inf).
+              oo = 0;
+              for (int64_t n = 0; n < D; ++n) {
+                A v = 0;
+                for (int64_t j = 0; j < Dv; ++j) v += zr[j] * w[n * ldw + h * Dv + j];
+                oo += v * v;
+              }
+            }
+            on[base + i * H] = static_cast<float>(std::sqrt(oo));
           }
         }
       }
@@ -545,7 +558,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> head_merge_backward_c
     for (int64_t b = 0; b < B; ++b) {
       double gc = 0;
       for (int64_t h = 0; h < H; ++h) gc += co.g[b * H + h] * c[b * H + h];
-      for (int64_t h = 0; h < H; ++h) p[b * H + h] = co.s[b] * c[b * H + h] + co.dsds[b] * gc;
+      // The rescale term only where it is active: 0 * (a NaN of another head) must not reach
+      // this head's gradient.
+      for (int64_t h = 0; h < H; ++h)
+        p[b * H + h] = co.dsds[b] != 0.0 ? co.s[b] * c[b * H + h] + co.dsds[b] * gc : co.s[b] * c[b * H + h];
     }
     if (head_gate->dim() == 1) gg = gg.sum(0);
     grad_gate = gg.to(head_gate->scalar_type());

@@ -177,7 +177,8 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_kernel(FwdParams p) {
       for (int i = 0; i < kRowsPerThread; ++i) {
         float sq = 0.f;
 #pragma unroll
-        for (int j = 0; j < kColsPerThread; ++j) sq += hacc[i][j] * hacc[i][j];  // 0 beyond D
+        for (int j = 0; j < kColsPerThread; ++j)  // columns beyond D excluded (inf * 0 padding is NaN)
+          if (tx + 16 * j < cols) sq += hacc[i][j] * hacc[i][j];
         sq = hw::warp_segment_sum(sq, 16);
         const int64_t r = ty + 16 * i;
         if (tx == 0 && r < rows) p.onorm_part[tile_n * p.batch * p.seq * p.heads + stat_base + r * p.heads] = sq;
@@ -223,7 +224,7 @@ __global__ void head_merge_stats_finalize_kernel(float* znorm, const float* onor
   if (i >= count) return;
   float sum = 0.f;
   for (int64_t t = 0; t < tiles; ++t) sum += onorm_part[t * count + i];
-  onorm[i] = sqrtf(fmaxf(sum, 0.f));
+  onorm[i] = sqrtf(sum);  // a sum of squares: >= 0, and a NaN propagates
   znorm[i] = sqrtf(znorm[i]);
 }
 
@@ -362,7 +363,9 @@ __global__ void head_merge_gate_grad_kernel(Gate gate, const float* c_part, int6
     for (int64_t h = 0; h < H; ++h) {
       float c = 0.f;
       for (int64_t t = 0; t < parts; ++t) c += c_part[(b * H + h) * parts + t];
-      const float v = s * c + dsds * gc;
+      // The rescale term only where it is active (dsds != 0): 0 * (a NaN of another head) must
+      // not reach this head's gradient.
+      const float v = dsds != 0.f ? s * c + dsds * gc : s * c;
       if (gate_per_row) {
         grad_gate[b * H + h] = v;
       } else {

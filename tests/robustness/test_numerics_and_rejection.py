@@ -105,17 +105,11 @@ def test_head_merge_non_finite_inputs_propagate_like_the_reference(ops, bad):
     for name, x, y in zip(("out", "z", "weight_o", "bias", "gate"), got, want):
         assert_same_non_finite(x, y, name)
     assert_same_non_finite(kernel.stats.z_norm, ref.stats.z_norm, "z_norm", rtol=1e-4, atol=1e-5)
-    # out_norm: test_head_merge_non_finite_z_reaches_out_norm (a bug of the CUDA kernel).
-
-
-SIM_OUT_NORM_BUG = pytest.mark.xfail(
-    strict=True, reason="csrc/merge bug (CUDA kernel, run by the emulator): head_merge_stats_finalize_kernel writes "
-    "sqrtf(fmaxf(sum, 0.f)) and fmaxf drops a NaN sum of squares, so out_norm is 0 where the reference's is NaN; "
-    "for inf the sum is NaN already (inf * 0 in the 64-column tile's padded columns beyond D), so also 0, not inf")
+    # out_norm: test_head_merge_non_finite_z_reaches_out_norm.
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-@pytest.mark.parametrize("ops", [HOSTS[0], pytest.param(HOSTS[1], marks=SIM_OUT_NORM_BUG)], ids=lambda o: o.ns)
+@pytest.mark.parametrize("ops", HOSTS, ids=lambda o: o.ns)
 def test_head_merge_non_finite_z_reaches_out_norm(ops, bad):
     z, weight_o, bias, gate, _ = merge_inputs()
     z[1, 2, 3, 1] = bad
@@ -125,10 +119,6 @@ def test_head_merge_non_finite_z_reaches_out_norm(ops, bad):
     assert_same_non_finite(got.out_norm, want.out_norm, "out_norm", rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="csrc/merge bug: the gate gradient adds ds/dS * sum_h' g c[b,h'] even when "
-                   "ds/dS = 0 (no rescale, or the clip S <= 1 is active), so 0 * NaN spreads one head's non-finite "
-                   "c[b,h] to every head of the batch row (merge_cpu.cpp head_merge_backward_cpu, "
-                   "merge_kernel.cuh head_merge_gate_grad_kernel)")
 @pytest.mark.parametrize("rescale", [False, True], ids=["plain", "clipped_rescale"])
 @pytest.mark.parametrize("ops", HOSTS, ids=lambda o: o.ns)
 def test_head_merge_non_finite_gate_grad_stays_in_its_head(ops, rescale):
