@@ -312,6 +312,19 @@ def _autocast_gemm_inputs(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
+def _autocast_attention_inputs(device: torch.device, *tensors: torch.Tensor):
+    """Autocast policy of the DCMHA kernels (dcmha_compose, dcmha_attention): like
+    ``F.scaled_dot_product_attention``, inside an autocast region for the inputs' device
+    the inputs (a or q, k, v) and the dynamic weights (w1, w2, g; the kernels take them in
+    the inputs' dtype) are cast to the autocast dtype; the kernels keep softmax
+    statistics and accumulation in fp32. fp64 tensors are not cast (as autocast does not
+    cast them)."""
+    if not torch.is_autocast_enabled(device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device.type)
+    return tuple(t.to(dtype) if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t for t in tensors)
+
+
 class Ops:
     """The public functions of headwise bound to one op library (``headwise`` or
     ``headwise_sim``); see :func:`headwise.testing.backend`."""
@@ -475,11 +488,14 @@ class Ops:
         "pre" the slots c = (pre, query), (pre, key); for "post" c = (post, query),
         (post, key). ``weights``: a :class:`headwise.DCMHAWeights` in a's dtype.
         ``head_groups=g`` composes only within each group of H / g consecutive heads.
-        Differentiable in a and every weight; never forms a ``[B, T, S, H, H]`` tensor."""
+        Differentiable in a and every weight; never forms a ``[B, T, S, H, H]`` tensor.
+        Under autocast, a and the weights are cast to the autocast dtype."""
         from .dcmha import check_weights, slot_index
 
         w = check_weights(weights, "dcmha_compose")
-        return self._lib.dcmha_compose(a, w.w1, w.w2, w.g, slot_index(slot), int(head_groups))
+        if isinstance(a, torch.Tensor):
+            a, *w = _autocast_attention_inputs(a.device, a, *w)
+        return self._lib.dcmha_compose(a, w[0], w[1], w[2], slot_index(slot), int(head_groups))
 
     def dcmha_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights, *, causal: bool = True,
                         window: Optional[int] = None, scale: Optional[float] = None,
@@ -493,7 +509,8 @@ class Ops:
         post-composed and applied to v. Two passes over key tiles (row max/sum, then
         normalize + post-compose + P'V); saves only the inputs and ``[2, B, H, T]`` row
         statistics; never allocates ``[B, H, T, T]``. Differentiable in q, k, v and the
-        weights."""
+        weights. Under autocast (like ``F.scaled_dot_product_attention``), q, k, v and
+        the weights are cast to the autocast dtype."""
         from .dcmha import check_weights
 
         w = check_weights(weights, "dcmha_attention")
@@ -502,7 +519,11 @@ class Ops:
         if window is not None and int(window) < 1:
             raise ValueError(f"headwise.dcmha_attention: window must be None or at least 1, got {window}")
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        out, _ = self._lib.dcmha_attention(q, k, v, w.w1, w.w2, w.g, bool(causal),
+        if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+            q, k, v, *w = _autocast_attention_inputs(q.device, q, k, v, *w)
+        else:
+            w = list(w)
+        out, _ = self._lib.dcmha_attention(q, k, v, w[0], w[1], w[2], bool(causal),
                                            0 if window is None else int(window), scale, int(head_groups))
         return out
 

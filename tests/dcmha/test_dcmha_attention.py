@@ -247,3 +247,20 @@ class TestBadInput:
     def test_dtype(self):
         with pytest.raises(TypeError, match="v must have the dtype of q"):
             self.call(v=torch.randn(1, 4, 5, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("op", ["attention", "compose"])
+def test_autocast_casts_inputs_and_weights(host_backend, op):
+    # Like F.scaled_dot_product_attention: inside autocast q, k, v (or a) and the dynamic
+    # weights go to the autocast dtype (the kernels take the weights in the inputs' dtype).
+    q, k, v = make_qkv(2, 4, 7, 8)
+    w = make_weights(2, 7, 4)
+    if op == "attention":
+        run = lambda q, k, v, w: host_backend.dcmha_attention(q, k, v, w, window=3)  # noqa: E731
+    else:
+        a = q @ k.transpose(-1, -2)
+        run = lambda q, k, v, w: host_backend.dcmha_compose(a if q.dtype == torch.float32 else a.bfloat16(), w)  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run(q, k, v, w)
+    want = run(q.bfloat16(), k.bfloat16(), v.bfloat16(), DCMHAWeights(*(t.bfloat16() for t in w)))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -200,7 +200,8 @@ def test_per_call_model_under_activation_checkpointing(host_backend, residual):
 
 
 @pytest.mark.parametrize("kw", [dict(residual="mhar"), dict(residual="mhar", routing_impl="per_call"),
-                                dict(residual="block_mhar", num_blocks=2)], ids=["buffer", "per_call", "block"])
+                                dict(residual="block_mhar", num_blocks=2), dict(residual="mhar", attention="dcmha", n_kv_heads=4)],
+                         ids=["buffer", "per_call", "block", "dcmha"])
 def test_autocast_bf16_policy(host_backend, kw):
     # headwise ops are not cast by autocast: they run in their inputs' dtype. In the
     # decoder the residual stream stays fp32 under autocast (embedding fp32, fp32 + bf16
