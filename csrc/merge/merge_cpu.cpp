@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace headwise {
@@ -70,6 +71,7 @@ void gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t as0, int
 }
 
 constexpr int64_t kRows = 256;  // query rows per tile (large GEMMs: BLAS efficiency)
+constexpr int64_t kWeightChunk = 512;  // rows per gathered chunk of the weight gradient
 
 // sum_j x[j]^2 with eight independent partial sums (vectorizable), added in a fixed order.
 template <typename A>
@@ -411,39 +413,13 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
 
   // grad_weight_o = grad_out^T [D, B*Q] @ Zs [B*Q, K] with Zs[(b, q), h] = alpha[b,h] Z[b,h,q]:
   // one GEMM per run of heads open in some batch row (the orientation of nn.Linear's weight
-  // gradient); Zs is z itself when z is that matrix in place and alpha == 1, else a scaled
-  // copy (what eager autograd saves from its forward anyway).
+  // gradient); Zs is z itself when z is that matrix in place and alpha == 1, else gathered
+  // chunk by chunk.
   A* gw = grad_w.data_ptr<A>();
   const int64_t rows_all = B * Q;
   const bool direct_w = std::is_same_v<T, A> && co.all_one && (H == 1 || shh == Dv) && (B == 1 || sb == Q * sq) &&
                         (rows_all <= 1 || sq >= K) && (B == 1 || Q > 1);
-  std::vector<A> zbuf;
-  const A* zs;
-  int64_t ldzs;
-  if (direct_w) {
-    zs = reinterpret_cast<const A*>(zp);
-    ldzs = rows_all <= 1 ? K : sq;
-  } else {
-    zbuf.resize(static_cast<size_t>(rows_all * K));
-    at::parallel_for(0, rows_all, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t b = r / Q, q = r % Q;
-        for (int64_t h = 0; h < H; ++h) {
-          A* dst = zbuf.data() + r * K + h * Dv;
-          if (co.g[b * H + h] == 0.0) {
-            std::fill(dst, dst + Dv, A(0));
-            continue;
-          }
-          const A a = static_cast<A>(co.alpha[b * H + h]);
-          const T* src = zp + b * sb + h * shh + q * sq;
-          for (int64_t j = 0; j < Dv; ++j) dst[j] = a * static_cast<A>(src[j]);
-        }
-      }
-    });
-    zs = zbuf.data();
-    ldzs = K;
-  }
-  std::vector<Run> wruns;
+  std::vector<Run> wruns;  // runs of heads open in some batch row; the others' columns are 0
   for (int64_t h = 0; h < H; ++h) {
     bool any_open = false;
     for (int64_t b = 0; b < B; ++b) any_open = any_open || co.g[b * H + h] != 0.0;
@@ -455,8 +431,41 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
       wruns.push_back({h, h + 1, 1.0});
     }
   }
-  for (const Run& run : wruns)
-    gemm(D, (run.h1 - run.h0) * Dv, rows_all, A(1), g, 1, D, zs + run.h0 * Dv, ldzs, 1, A(0), gw + run.h0 * Dv, K);
+  if (direct_w) {
+    const A* zs = reinterpret_cast<const A*>(zp);
+    const int64_t ldzs = rows_all <= 1 ? K : sq;
+    for (const Run& run : wruns)
+      gemm(D, (run.h1 - run.h0) * Dv, rows_all, A(1), g, 1, D, zs + run.h0 * Dv, ldzs, 1, A(0), gw + run.h0 * Dv, K);
+  } else {
+    // Chunks of at most kWeightChunk rows of the flattened [B*Q] row axis, in a fixed
+    // order: each is gathered (scaled by alpha, closed heads zero; uninitialized scratch,
+    // reused) and accumulated into grad_weight_o by one GEMM per run, so that the
+    // temporary stays a few MiB at any B*Q and results do not depend on the thread count.
+    const int64_t chunk = std::min(rows_all, kWeightChunk);
+    std::unique_ptr<A[]> zbuf(new A[static_cast<size_t>(chunk * K)]);
+    for (int64_t f0 = 0; f0 < rows_all; f0 += chunk) {
+      const int64_t rows = std::min(chunk, rows_all - f0);
+      at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t b = (f0 + r) / Q, q = (f0 + r) % Q;
+          for (const Run& run : wruns)
+            for (int64_t h = run.h0; h < run.h1; ++h) {
+              A* dst = zbuf.get() + r * K + h * Dv;
+              if (co.g[b * H + h] == 0.0) {
+                std::fill(dst, dst + Dv, A(0));
+                continue;
+              }
+              const A a = static_cast<A>(co.alpha[b * H + h]);
+              const T* src = zp + b * sb + h * shh + q * sq;
+              for (int64_t j = 0; j < Dv; ++j) dst[j] = a * static_cast<A>(src[j]);
+            }
+        }
+      });
+      for (const Run& run : wruns)
+        gemm(D, (run.h1 - run.h0) * Dv, rows, A(1), g + f0 * D, 1, D, zbuf.get() + run.h0 * Dv, K, 1,
+             f0 == 0 ? A(0) : A(1), gw + run.h0 * Dv, K);
+    }
+  }
 
   if (grad_b != nullptr) {
     A* gb = grad_b->data_ptr<A>();
