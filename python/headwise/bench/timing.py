@@ -15,6 +15,47 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def interleaved_median_ms(
+    calls: dict[str, tuple[Callable[[], None], Optional[Callable[[], None]]]],
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+) -> dict[str, float]:
+    """Median wall time in milliseconds of each ``name -> (fn, setup)``, timed in
+    interleaved rounds (every fn once per round, the starting one rotating), so that the
+    machine's drift over a run (frequency, other load) affects every implementation
+    alike and their ratios stay meaningful; ``setup()`` runs untimed before each call."""
+    names = list(calls)
+    for name in names:
+        fn, setup = calls[name]
+        for _ in range(warmup):
+            if setup is not None:
+                setup()
+            fn()
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            fn, setup = calls[name]
+            if setup is not None:
+                setup()
+            synchronize(device)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def median_ms(
     fn: Callable[[], None],
     device: torch.device,
@@ -24,28 +65,7 @@ def median_ms(
     setup: Optional[Callable[[], None]] = None,
 ) -> float:
     """Median wall time of ``fn()`` in milliseconds; ``setup()`` runs untimed before each call."""
-    for _ in range(warmup):
-        if setup is not None:
-            setup()
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        if setup is not None:
-            setup()
-        synchronize(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return interleaved_median_ms({"fn": (fn, setup)}, device, repeats=repeats, warmup=warmup)["fn"]
 
 
 def saved_bytes(run_forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> int:
@@ -135,8 +155,11 @@ def time_modes(op: str, label: str, dtype: str, device: torch.device, repeats: i
     headwise) to ``forward()``, which returns the op's outputs; ``backward(outputs)``
     runs their backward. ``fwd`` runs under no_grad; ``bwd`` times the backward of a
     graph built untimed; ``fwd+bwd`` also reports the bytes saved for backward. The
-    leaves' gradients are cleared before every timed backward."""
-    rows = []
+    leaves' gradients are cleared before every timed backward. Within a mode the
+    implementations are timed in interleaved rounds, so their ratios do not carry the
+    machine's drift between them."""
+    calls: dict[str, dict] = {mode: {} for mode in MODES if mode in modes}
+    memory: dict[str, tuple] = {}
     for impl, forward in impls.items():
         def clear():
             for x in leaves:
@@ -149,25 +172,35 @@ def time_modes(op: str, label: str, dtype: str, device: torch.device, repeats: i
         def fwd_bwd(forward=forward):
             backward(forward())
 
-        state = {}
+        state: dict = {}
 
-        def make_graph(forward=forward):
+        def make_graph(forward=forward, state=state):
             clear()
             state["out"] = forward()
 
-        def bwd_only():
+        def bwd_only(state=state):
             backward(state.pop("out"))
 
-        if "fwd" in modes:
-            rows.append(Row(op, label, dtype, "fwd", impl, median_ms(fwd_only, device, repeats=repeats, warmup=warmup),
-                            peak_bytes=peak_bytes(fwd_only, device)))
-        if "bwd" in modes:
-            rows.append(Row(op, label, dtype, "bwd", impl,
-                            median_ms(bwd_only, device, repeats=repeats, warmup=warmup, setup=make_graph)))
-        if "fwd+bwd" in modes:
+        if "fwd" in calls:
+            calls["fwd"][impl] = (fwd_only, None)
+        if "bwd" in calls:
+            calls["bwd"][impl] = (bwd_only, make_graph)
+        if "fwd+bwd" in calls:
+            calls["fwd+bwd"][impl] = (fwd_bwd, clear)
+        memory[impl] = (forward, fwd_only, fwd_bwd, clear)
+    # Each mode's implementations are timed in interleaved rounds (interleaved_median_ms).
+    times = {mode: interleaved_median_ms(c, device, repeats=repeats, warmup=warmup) for mode, c in calls.items()}
+    rows = []
+    for impl, (forward, fwd_only, fwd_bwd, clear) in memory.items():
+        if "fwd" in calls:
+            rows.append(Row(op, label, dtype, "fwd", impl, times["fwd"][impl], peak_bytes=peak_bytes(fwd_only, device)))
+        if "bwd" in calls:
+            rows.append(Row(op, label, dtype, "bwd", impl, times["bwd"][impl]))
+        if "fwd+bwd" in calls:
+            clear()
             saved = saved_bytes(forward, leaves)
-            rows.append(Row(op, label, dtype, "fwd+bwd", impl,
-                            median_ms(fwd_bwd, device, repeats=repeats, warmup=warmup, setup=clear),
-                            saved_bytes=saved, peak_bytes=peak_bytes(fwd_bwd, device)))
+            clear()
+            rows.append(Row(op, label, dtype, "fwd+bwd", impl, times["fwd+bwd"][impl], saved_bytes=saved,
+                            peak_bytes=peak_bytes(fwd_bwd, device)))
         clear()
     return rows
