@@ -20,12 +20,13 @@
 //     Gram matrix formed in fp64 (fp32 weights; rounded to fp32 afterwards: as accurate
 //     as a QR of W_h, at a fraction of its cost), or, for fp64 weights and for heads
 //     whose Gram matrix is numerically singular, the R of a fp64 QR of W_h.
-// Backward: grad_z = alpha * grad_out_b @ W_h per tile (one GEMM per run of needed heads,
-// written straight into z's layout); the gate's gradient from c[b,h] = <Z_bh, grad_out_b
-// @ W_h> (per tile partials summed in tile order); grad_weight_o per head as
-// sum_b alpha[b,h] grad_out_b^T Z_bh (GEMM over the Q axis, heads in parallel);
-// grad_bias as column sums. Every reduction has a fixed order: results do not depend on
-// the thread count.
+// Backward: grad_z = alpha * grad_out @ W_h, one GEMM per run of needed heads: written
+// by the GEMM straight into z's layout when z's heads are adjacent columns, else into a
+// reused scratch chunk of rows and scattered into z's layout; with the gate's gradient,
+// per tile of one batch row, c[b,h] = <Z_bh, grad_out_b @ W_h> from the tile (partials
+// summed in tile order). grad_weight_o = grad_out^T Zs (Zs[(b,q), h] = alpha[b,h] Z[b,h,q],
+// z in place or gathered chunk by chunk, chunks accumulated in order); grad_bias as column
+// sums. Every reduction has a fixed order: results do not depend on the thread count.
 #include "../common/cpu_convert.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
@@ -71,7 +72,7 @@ void gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t as0, int
 }
 
 constexpr int64_t kRows = 256;  // query rows per tile (large GEMMs: BLAS efficiency)
-constexpr int64_t kWeightChunk = 512;  // rows per gathered chunk of the weight gradient
+constexpr int64_t kChunkRows = 512;  // rows per chunk of the backward's gathered / scattered scratch
 
 // sum_j x[j]^2 with eight independent partial sums (vectorizable), added in a fixed order.
 template <typename A>
@@ -348,6 +349,19 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
   const bool need_c = cgate != nullptr;
   const int64_t qtiles = (Q + kRows - 1) / kRows;
   std::vector<A> cpart(need_c ? static_cast<size_t>(B * qtiles * H) : 0, A(0));
+  // Runs of heads open in some batch row (heads closed in every row cost no GEMM).
+  std::vector<Run> wruns;
+  for (int64_t h = 0; h < H; ++h) {
+    bool any_open = false;
+    for (int64_t b = 0; b < B; ++b) any_open = any_open || co.g[b * H + h] != 0.0;
+    if (!any_open) continue;
+    if (!wruns.empty() && wruns.back().h1 == h) {
+      wruns.back().h1 = h + 1;
+    } else {
+      wruns.push_back({h, h + 1, 1.0});
+    }
+  }
+  const int64_t rows_all = B * Q;
 
   const bool direct_dz = std::is_same_v<T, A> && !need_c && (H == 1 || gsh == Dv) && Q > 1 && gsq >= K;
   if (direct_dz) {
@@ -375,8 +389,39 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
       for (int64_t b = 0; b < B; ++b) dz_rows(b, 1);
     }
   }
-  // grad_z (and the gate's <Z, P> partials) per tile.
-  if (!direct_dz) at::parallel_for(0, B * qtiles, 1, [&](int64_t t0, int64_t t1) {
+  // Any other layout, without the gate's gradient: fixed-order chunks of kChunkRows rows
+  // of the flattened [B*Q] axis; per chunk one BLAS GEMM per run (threaded by the BLAS)
+  // P = grad_out[rows] @ W_run into an uninitialized, reused scratch, then scattered into
+  // grad_z's layout scaled by alpha (zeros for closed heads) by parallel rows.
+  const bool chunked_dz = !direct_dz && !need_c;
+  if (chunked_dz) {
+    const int64_t chunk = std::min(rows_all, kChunkRows);
+    std::unique_ptr<A[]> pbuf(new A[static_cast<size_t>(chunk * K)]);
+    for (int64_t f0 = 0; f0 < rows_all; f0 += chunk) {
+      const int64_t rows = std::min(chunk, rows_all - f0);
+      for (const Run& run : wruns)
+        gemm(rows, (run.h1 - run.h0) * Dv, D, A(1), g + f0 * D, D, 1, w + run.h0 * Dv, ldw, 1, A(0),
+             pbuf.get() + run.h0 * Dv, K);
+      at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t b = (f0 + r) / Q, q = (f0 + r) % Q;
+          for (int64_t h = 0; h < H; ++h) {
+            T* dst = gz + b * gsb + h * gsh + q * gsq;
+            if (co.g[b * H + h] == 0.0) {
+              std::fill(dst, dst + Dv, T(0));
+              continue;
+            }
+            const A alpha = static_cast<A>(co.alpha[b * H + h]);
+            const A* pr = pbuf.get() + r * K + h * Dv;
+            for (int64_t j = 0; j < Dv; ++j) dst[j] = cpu::to_storage<T, A>(alpha * pr[j]);
+          }
+        }
+      });
+    }
+  }
+  // With the gate's gradient: grad_z and the gate's <Z, P> partials per tile of rows of
+  // one batch row (partials summed in tile order).
+  if (!direct_dz && !chunked_dz) at::parallel_for(0, B * qtiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<A> p(static_cast<size_t>(kRows * K));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / qtiles, q0 = (t % qtiles) * kRows, rows = std::min(kRows, Q - q0);
@@ -416,32 +461,25 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
   // gradient); Zs is z itself when z is that matrix in place and alpha == 1, else gathered
   // chunk by chunk.
   A* gw = grad_w.data_ptr<A>();
-  const int64_t rows_all = B * Q;
-  const bool direct_w = std::is_same_v<T, A> && co.all_one && (H == 1 || shh == Dv) && (B == 1 || sb == Q * sq) &&
-                        (rows_all <= 1 || sq >= K) && (B == 1 || Q > 1);
-  std::vector<Run> wruns;  // runs of heads open in some batch row; the others' columns are 0
-  for (int64_t h = 0; h < H; ++h) {
+  for (int64_t h = 0; h < H; ++h) {  // heads closed in every batch row: zero columns
     bool any_open = false;
     for (int64_t b = 0; b < B; ++b) any_open = any_open || co.g[b * H + h] != 0.0;
-    if (!any_open) {
+    if (!any_open)
       for (int64_t n = 0; n < D; ++n) std::fill(gw + n * K + h * Dv, gw + n * K + (h + 1) * Dv, A(0));
-    } else if (!wruns.empty() && wruns.back().h1 == h) {
-      wruns.back().h1 = h + 1;
-    } else {
-      wruns.push_back({h, h + 1, 1.0});
-    }
   }
+  const bool direct_w = std::is_same_v<T, A> && co.all_one && (H == 1 || shh == Dv) && (B == 1 || sb == Q * sq) &&
+                        (rows_all <= 1 || sq >= K) && (B == 1 || Q > 1);
   if (direct_w) {
     const A* zs = reinterpret_cast<const A*>(zp);
     const int64_t ldzs = rows_all <= 1 ? K : sq;
     for (const Run& run : wruns)
       gemm(D, (run.h1 - run.h0) * Dv, rows_all, A(1), g, 1, D, zs + run.h0 * Dv, ldzs, 1, A(0), gw + run.h0 * Dv, K);
   } else {
-    // Chunks of at most kWeightChunk rows of the flattened [B*Q] row axis, in a fixed
+    // Chunks of at most kChunkRows rows of the flattened [B*Q] row axis, in a fixed
     // order: each is gathered (scaled by alpha, closed heads zero; uninitialized scratch,
     // reused) and accumulated into grad_weight_o by one GEMM per run, so that the
     // temporary stays a few MiB at any B*Q and results do not depend on the thread count.
-    const int64_t chunk = std::min(rows_all, kWeightChunk);
+    const int64_t chunk = std::min(rows_all, kChunkRows);
     std::unique_ptr<A[]> zbuf(new A[static_cast<size_t>(chunk * K)]);
     for (int64_t f0 = 0; f0 < rows_all; f0 += chunk) {
       const int64_t rows = std::min(chunk, rows_all - f0);
