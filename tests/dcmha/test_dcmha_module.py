@@ -8,14 +8,19 @@ from headwise import DCMHAWeights
 from headwise.testing import rel_err
 
 
-def test_module_matches_reference_forward_and_grads():
+def composing_module():
+    """A small DCMHAttention with larger generator weights than the init, so that the
+    composition matters, and its input."""
     torch.manual_seed(0)
     m = headwise.nn.DCMHAttention(32, 4, window=6)
-    # Larger generator weights than the init so that the composition matters.
     with torch.no_grad():
         m.qkw.normal_(0, 0.3)
         m.dd.normal_(0, 0.3)
-    x = torch.randn(2, 13, 32)
+    return m, torch.randn(2, 13, 32)
+
+
+def test_module_matches_reference_forward_and_grads():
+    m, x = composing_module()
     y = m(x)
     y_ref = m.reference_forward(x)
     assert rel_err(y, y_ref) <= 1e-5
@@ -41,12 +46,7 @@ def test_module_under_bf16_autocast():
     # The whole module under autocast: fused QKV and head merge cast like nn.Linear, the
     # attention like SDPA; the output is bf16 and close to the fp32 module's, and every
     # parameter (fp32) gets a gradient close to the fp32 run's.
-    torch.manual_seed(0)
-    m = headwise.nn.DCMHAttention(32, 4, window=6)
-    with torch.no_grad():
-        m.qkw.normal_(0, 0.3)
-        m.dd.normal_(0, 0.3)
-    x = torch.randn(2, 13, 32)
+    m, x = composing_module()
     y32 = m(x)
     y32.square().sum().backward()
     g32 = {n: p.grad.clone() for n, p in m.named_parameters()}
