@@ -18,11 +18,14 @@
 //     contribution is tiny relative to ||z|| ||W_h|| keeps its relative accuracy (the
 //     fp32 Gram form z^T (W_h^T W_h) z would not). R_h is the Cholesky factor of the
 //     Gram matrix formed in fp64 (fp32 weights; rounded to fp32 afterwards: as accurate
-//     as a QR of W_h, at a fraction of its cost), or, for fp64 weights and for heads
-//     whose Gram matrix is numerically singular, the R of a fp64 QR of W_h.
+//     as a QR of W_h, at a fraction of its cost), or, for fp64 weights, for D < Dv and
+//     for heads whose Gram matrix is numerically singular, the R of a fp64 QR of W_h.
+//     Rows of z with a non-finite sum of squares and heads with a non-finite W_h take
+//     the product z W_h^T itself (as the reference does).
 // Backward: grad_z = alpha * grad_out @ W_h, one GEMM per run of needed heads: written
-// by the GEMM straight into z's layout when z's heads are adjacent columns, else into a
-// reused scratch chunk of rows and scattered into z's layout; with the gate's gradient,
+// by the GEMM straight into z's layout when z's heads are adjacent columns of rows
+// (fp32/fp64, no gate gradient), else into a reused scratch chunk of rows and scattered
+// into z's layout; with the gate's gradient,
 // per tile of one batch row, c[b,h] = <Z_bh, grad_out_b @ W_h> from the tile (partials
 // summed in tile order). grad_weight_o = grad_out^T Zs (Zs[(b,q), h] = alpha[b,h] Z[b,h,q],
 // z in place or gathered chunk by chunk, chunks accumulated in order); grad_bias as column
@@ -40,6 +43,8 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace headwise {
@@ -170,12 +175,16 @@ bool cholesky_lower(double* g, int64_t n) {
 }
 
 // R_h^T [H, Dv, r] in fp64 with R_h^T R_h = W_h^T W_h, W_h = weight_o[:, h*Dv:(h+1)*Dv]
-// (see the file comment for the method).
-at::Tensor norm_factors_t(const at::Tensor& wA, int64_t H) {
+// (see the file comment for the method), and per head whether W_h is finite (a head with
+// a non-finite weight gets R_h = 0 here; its out_norm comes from the product itself).
+std::pair<at::Tensor, std::vector<char>> norm_factors_t(const at::Tensor& wA, int64_t H) {
   const int64_t D = wA.size(0), Dv = wA.size(1) / H;
-  const at::Tensor wh = wA.unflatten(1, {H, Dv}).permute({1, 0, 2}).to(at::kDouble);  // [H, D, Dv]
+  at::Tensor wh = wA.unflatten(1, {H, Dv}).permute({1, 0, 2}).to(at::kDouble);  // [H, D, Dv]
+  const at::Tensor finite = at::isfinite(wh).flatten(1).all(1).to(at::kChar).contiguous();
+  std::vector<char> w_finite(finite.data_ptr<int8_t>(), finite.data_ptr<int8_t>() + H);
+  wh = at::where(finite.to(at::kBool).view({H, 1, 1}), wh, at::zeros({}, wh.options()));
   auto qr_rt = [&](const at::Tensor& w) { return std::get<1>(at::linalg_qr(w, "r")).transpose(-2, -1); };
-  if (wA.scalar_type() == at::kDouble || D < Dv) return qr_rt(wh).contiguous();
+  if (wA.scalar_type() == at::kDouble || D < Dv) return {qr_rt(wh).contiguous(), w_finite};
   at::Tensor l = at::bmm(wh.transpose(1, 2), wh).contiguous();  // Gram [H, Dv, Dv], fp64
   std::vector<char> ok(H);
   double* lp = l.data_ptr<double>();
@@ -184,7 +193,7 @@ at::Tensor norm_factors_t(const at::Tensor& wA, int64_t H) {
   });
   for (int64_t h = 0; h < H; ++h)
     if (!ok[h]) l[h].copy_(qr_rt(wh[h]));
-  return l;  // L = R^T
+  return {l, w_finite};  // L = R^T
 }
 
 template <typename T, typename A>
@@ -205,9 +214,11 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
   // Per head, R_h^T [Dv, r] (row-major), for out_norm = ||z R_h^T||.
   const int64_t r = std::min(D, Dv);
   at::Tensor rt;
+  std::vector<char> w_finite;
   const A* rtp = nullptr;
   if (stats) {
-    rt = norm_factors_t(wA, H).to(c10::CppTypeToScalarType<A>::value);
+    std::tie(rt, w_finite) = norm_factors_t(wA, H);
+    rt = rt.to(c10::CppTypeToScalarType<A>::value);
     rtp = rt.data_ptr<A>();
   }
   if (direct && !stats) {
@@ -297,9 +308,10 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
             const A zz = sum_sq(zr, Dv);
             zn[base + i * H] = static_cast<float>(std::sqrt(zz));
             A oo = sum_sq(tmp.data() + (h * rows + i) * r, r);
-            if (!std::isfinite(zz)) {
-              // A non-finite z row: the product with W_h itself, as the reference forms it
-              // (z R_h^T would meet R_h's zeros as inf * 0 = NaN where z W_h^T is inf).
+            if (!std::isfinite(zz) || !w_finite[h]) {
+              // A z row whose sum of squares is not finite, or a non-finite W_h: the product
+              // with W_h itself, as the reference forms it (z R_h^T would meet R_h's zeros as
+              // inf * 0 = NaN where z W_h^T is inf).
               oo = 0;
               for (int64_t n = 0; n < D; ++n) {
                 A v = 0;
@@ -349,19 +361,24 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
   const bool need_c = cgate != nullptr;
   const int64_t qtiles = (Q + kRows - 1) / kRows;
   std::vector<A> cpart(need_c ? static_cast<size_t>(B * qtiles * H) : 0, A(0));
-  // Runs of heads open in some batch row (heads closed in every row cost no GEMM).
-  std::vector<Run> wruns;
-  for (int64_t h = 0; h < H; ++h) {
-    bool any_open = false;
-    for (int64_t b = 0; b < B; ++b) any_open = any_open || co.g[b * H + h] != 0.0;
-    if (!any_open) continue;
-    if (!wruns.empty() && wruns.back().h1 == h) {
-      wruns.back().h1 = h + 1;
-    } else {
-      wruns.push_back({h, h + 1, 1.0});
-    }
-  }
   const int64_t rows_all = B * Q;
+  // Runs of the heads open in some batch row of the flattened rows [f0, f0 + rows): the
+  // GEMMs of a chunk skip heads closed in every batch row it covers.
+  auto runs_for_rows = [&](int64_t f0, int64_t rows) {
+    std::vector<Run> runs;
+    const int64_t b0 = f0 / Q, b1 = (f0 + rows - 1) / Q;
+    for (int64_t h = 0; h < H; ++h) {
+      bool any_open = false;
+      for (int64_t b = b0; b <= b1; ++b) any_open = any_open || co.g[b * H + h] != 0.0;
+      if (!any_open) continue;
+      if (!runs.empty() && runs.back().h1 == h) {
+        runs.back().h1 = h + 1;
+      } else {
+        runs.push_back({h, h + 1, 1.0});
+      }
+    }
+    return runs;
+  };
 
   const bool direct_dz = std::is_same_v<T, A> && !need_c && (H == 1 || gsh == Dv) && Q > 1 && gsq >= K;
   if (direct_dz) {
@@ -399,7 +416,7 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
     std::unique_ptr<A[]> pbuf(new A[static_cast<size_t>(chunk * K)]);
     for (int64_t f0 = 0; f0 < rows_all; f0 += chunk) {
       const int64_t rows = std::min(chunk, rows_all - f0);
-      for (const Run& run : wruns)
+      for (const Run& run : runs_for_rows(f0, rows))
         gemm(rows, (run.h1 - run.h0) * Dv, D, A(1), g + f0 * D, D, 1, w + run.h0 * Dv, ldw, 1, A(0),
              pbuf.get() + run.h0 * Dv, K);
       at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
@@ -472,7 +489,7 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
   if (direct_w) {
     const A* zs = reinterpret_cast<const A*>(zp);
     const int64_t ldzs = rows_all <= 1 ? K : sq;
-    for (const Run& run : wruns)
+    for (const Run& run : runs_for_rows(0, rows_all))
       gemm(D, (run.h1 - run.h0) * Dv, rows_all, A(1), g, 1, D, zs + run.h0 * Dv, ldzs, 1, A(0), gw + run.h0 * Dv, K);
   } else {
     // Chunks of at most kChunkRows rows of the flattened [B*Q] row axis, in a fixed
@@ -481,12 +498,16 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
     // temporary stays a few MiB at any B*Q and results do not depend on the thread count.
     const int64_t chunk = std::min(rows_all, kChunkRows);
     std::unique_ptr<A[]> zbuf(new A[static_cast<size_t>(chunk * K)]);
+    // Every head's columns of grad_weight_o start at 0 (beta = 0 on a head's first
+    // GEMM); a chunk accumulates only the heads open in its batch rows.
+    std::vector<char> started(H, 0);
     for (int64_t f0 = 0; f0 < rows_all; f0 += chunk) {
       const int64_t rows = std::min(chunk, rows_all - f0);
+      const std::vector<Run> runs = runs_for_rows(f0, rows);
       at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t b = (f0 + r) / Q, q = (f0 + r) % Q;
-          for (const Run& run : wruns)
+          for (const Run& run : runs)
             for (int64_t h = run.h0; h < run.h1; ++h) {
               A* dst = zbuf.get() + r * K + h * Dv;
               if (co.g[b * H + h] == 0.0) {
@@ -499,9 +520,18 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
             }
         }
       });
-      for (const Run& run : wruns)
-        gemm(D, (run.h1 - run.h0) * Dv, rows, A(1), g + f0 * D, 1, D, zbuf.get() + run.h0 * Dv, K, 1,
-             f0 == 0 ? A(0) : A(1), gw + run.h0 * Dv, K);
+      for (const Run& run : runs) {
+        // Split the run where some heads start and others accumulate.
+        int64_t h0 = run.h0;
+        while (h0 < run.h1) {
+          int64_t h1 = h0 + 1;
+          while (h1 < run.h1 && started[h1] == started[h0]) ++h1;
+          gemm(D, (h1 - h0) * Dv, rows, A(1), g + f0 * D, 1, D, zbuf.get() + h0 * Dv, K, 1,
+               started[h0] ? A(1) : A(0), gw + h0 * Dv, K);
+          for (int64_t h = h0; h < h1; ++h) started[h] = 1;
+          h0 = h1;
+        }
+      }
     }
   }
 

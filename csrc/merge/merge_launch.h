@@ -31,14 +31,15 @@ constexpr int64_t kMaxGridX = 2147483647;
 inline void check_backend(const at::Tensor& z, const Shape& s, const char* op) {
   TORCH_CHECK(on_backend_device(z), "headwise.", op, ": z is on ", z.device(), " but ", kBackendDevice);
   dispatch_storage_dtype(z.scalar_type(), op, "z", [](auto) {});
-  // Grid x carries the batch (and heads) times the column tiles (limit 2^31 - 1); y
-  // carries query or weight-row tiles, z the heads (limit 65535 each).
-  const int64_t col_tiles = std::max((s.d + kBN - 1) / kBN, (s.dv + kBN - 1) / kBN);
+  // Grid x carries the batch times the output column tiles (forward: B * ceil(D/kBN);
+  // grad_z: B * H * ceil(Dv/kBN); limit 2^31 - 1); y carries query or weight-row tiles,
+  // z the heads (limit 65535 each).
   TORCH_CHECK_VALUE((s.seq + kBM - 1) / kBM <= kMaxGridYZ && (s.d + kBM - 1) / kBM <= kMaxGridYZ &&
-                        s.heads <= kMaxGridYZ && s.batch * s.heads * col_tiles <= kMaxGridX,
+                        s.heads <= kMaxGridYZ && s.batch * ((s.d + kBN - 1) / kBN) <= kMaxGridX &&
+                        s.batch * s.heads * ((s.dv + kBN - 1) / kBN) <= kMaxGridX,
                     "headwise.", op, ": shape too large for the CUDA grid (Q/", kBM, ", D/", kBM,
-                    " and H must be at most ", kMaxGridYZ, ", B*H*ceil(max(D, Dv)/", kBN, ") at most ", kMaxGridX,
-                    "), got z ", shape_str(z));
+                    " and H must be at most ", kMaxGridYZ, ", B*ceil(D/", kBN, ") and B*H*ceil(Dv/", kBN,
+                    ") at most ", kMaxGridX, "), got z ", shape_str(z));
 }
 
 // The gate as fp32 on its device (undefined when absent) and its view for the kernels.

@@ -367,6 +367,56 @@ def test_deterministic_across_thread_counts():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_chunks_deterministic_across_thread_counts(dtype):
+    """The backward's chunked routes (grad_z scattered from BLAS-threaded GEMMs, grad
+    weight_o gathered chunk by chunk: more than two 512-row chunks, a [B, H] gate that
+    does not need its gradient, heads closed in some rows): bitwise the same for 1 and
+    several threads, and equal to the reference."""
+    b, h, q, dv, d = 3, 4, 401, 8, 24
+    z = make_z(b, h, q, dv, "bhqd", dtype)
+    w, bias = make_params(h, dv, d, dtype)
+    gate = make_gate("row_hard", b, h)
+
+    def run():
+        zz, ww = z.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        out = headwise.head_merge(zz, ww, bias, head_gate=gate, rescale=True)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), zz.grad, ww.grad]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(max(2, threads))
+        many = run()
+    finally:
+        torch.set_num_threads(threads)
+    for x, y in zip(one, many):
+        assert torch.equal(x, y)
+    if dtype == torch.float32:
+        (out, _, grads, _), (eout, _, egrads, _) = run_both(headwise.testing.backend("cpu"), z, w, bias, gate, True,
+                                                            stats=False, leaves=("z", "w"))
+        for k in ("z", "w"):
+            assert rel_err(grads[k], egrads[k]) <= FP32_TOL, k
+
+
+def test_out_norm_of_a_head_with_non_finite_weights(host_backend):
+    """A head whose W_h holds an inf: its out_norm is what the product gives (inf or
+    NaN, as the reference's); the other heads are unaffected."""
+    gen = torch.Generator().manual_seed(7)
+    z = torch.randn(1, 3, 5, 4, generator=gen)
+    w = torch.randn(6, 12, generator=gen)
+    w[2, 5] = float("inf")  # head 1
+    _, got = host_backend.head_merge(z, w, return_stats=True)
+    _, want = reference.head_merge(z, w, return_stats=True)
+    assert torch.equal(torch.isnan(got.out_norm), torch.isnan(want.out_norm))
+    assert torch.equal(torch.isinf(got.out_norm), torch.isinf(want.out_norm))
+    assert not torch.isfinite(want.out_norm[..., 1]).any()
+    fin = torch.isfinite(want.out_norm)
+    torch.testing.assert_close(got.out_norm[fin], want.out_norm[fin], rtol=1e-5, atol=1e-5)
+
+
 class TestBadInput:
     z = make_z(2, 3, 5, 4, "bqhd_view")
     w, bias = make_params(3, 4, 7)
