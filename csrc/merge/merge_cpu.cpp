@@ -486,17 +486,21 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
   }
   const bool direct_w = std::is_same_v<T, A> && co.all_one && (H == 1 || shh == Dv) && (B == 1 || sb == Q * sq) &&
                         (rows_all <= 1 || sq >= K) && (B == 1 || Q > 1);
+  const int64_t chunk = std::min(rows_all, kChunkRows);
   if (direct_w) {
+    // z in place (alpha == 1: every head open). The contraction over rows runs in
+    // fixed-order chunks too: one GEMM over all B*Q rows lets the BLAS split that long
+    // contraction across threads, which changed the bits with the thread count.
     const A* zs = reinterpret_cast<const A*>(zp);
     const int64_t ldzs = rows_all <= 1 ? K : sq;
-    for (const Run& run : runs_for_rows(0, rows_all))
-      gemm(D, (run.h1 - run.h0) * Dv, rows_all, A(1), g, 1, D, zs + run.h0 * Dv, ldzs, 1, A(0), gw + run.h0 * Dv, K);
+    for (int64_t f0 = 0; f0 < rows_all; f0 += chunk)
+      gemm(D, K, std::min(chunk, rows_all - f0), A(1), g + f0 * D, 1, D, zs + f0 * ldzs, ldzs, 1,
+           f0 == 0 ? A(0) : A(1), gw, K);
   } else {
     // Chunks of at most kChunkRows rows of the flattened [B*Q] row axis, in a fixed
     // order: each is gathered (scaled by alpha, closed heads zero; uninitialized scratch,
     // reused) and accumulated into grad_weight_o by one GEMM per run, so that the
     // temporary stays a few MiB at any B*Q and results do not depend on the thread count.
-    const int64_t chunk = std::min(rows_all, kChunkRows);
     std::unique_ptr<A[]> zbuf(new A[static_cast<size_t>(chunk * K)]);
     // Every head's columns of grad_weight_o start at 0 (beta = 0 on a head's first
     // GEMM); a chunk accumulates only the heads open in its batch rows.
