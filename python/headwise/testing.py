@@ -50,3 +50,17 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
         raise AssertionError("result has NaN/inf elements (unwritten output?)")
     scale = e.abs().max().item() if e.numel() else 0.0
     return (a - e).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def with_one_and_many_threads(run):
+    """``(run() with 1 thread, run() with max(2, current) threads)``, the thread count
+    restored afterwards: for tests that results do not depend on it."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(max(2, threads))
+        many = run()
+    finally:
+        torch.set_num_threads(threads)
+    return one, many

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import headwise
 from headwise import DCMHAWeights, reference
-from headwise.testing import rel_err
+from headwise.testing import rel_err, with_one_and_many_threads
 
 from dcmha_helpers import make_weights
 
@@ -177,14 +177,7 @@ def _run(seed=0):
 
 
 def test_deterministic_across_thread_counts():
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _run()
-        torch.set_num_threads(max(2, threads))
-        many = _run()
-    finally:
-        torch.set_num_threads(threads)
+    one, many = with_one_and_many_threads(_run)
     for x, y in zip(one, many):
         assert torch.equal(x, y)
 

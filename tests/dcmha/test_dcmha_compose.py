@@ -7,7 +7,7 @@ import torch
 
 import headwise
 from headwise import DCMHAWeights, reference
-from headwise.testing import rel_err
+from headwise.testing import rel_err, with_one_and_many_threads
 
 from dcmha_helpers import explicit_compose, make_weights
 
@@ -106,14 +106,7 @@ def _run(ops):
 
 
 def test_deterministic_across_thread_counts(host_backend):
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _run(host_backend)
-        torch.set_num_threads(max(2, threads))
-        many = _run(host_backend)
-    finally:
-        torch.set_num_threads(threads)
+    one, many = with_one_and_many_threads(lambda: _run(host_backend))
     for x, y in zip(one, many):
         assert torch.equal(x, y)
 

@@ -5,7 +5,7 @@ import torch
 
 import headwise
 from headwise import reference
-from headwise.testing import rel_err
+from headwise.testing import rel_err, with_one_and_many_threads
 
 FP32_TOL = 1e-5
 
@@ -355,14 +355,7 @@ def test_deterministic_across_thread_counts():
         out.backward(torch.ones_like(out))
         return [out.detach(), st.out_norm, z.grad.clone(), gate.grad.clone()]
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-        torch.set_num_threads(max(2, threads))
-        many = run()
-    finally:
-        torch.set_num_threads(threads)
+    one, many = with_one_and_many_threads(run)
     for a, b in zip(one, many):
         assert torch.equal(a, b)
 
@@ -387,14 +380,7 @@ def test_backward_chunks_deterministic_across_thread_counts(dtype, layout, gate_
         out.backward(torch.ones_like(out))
         return [out.detach(), zz.grad, ww.grad]
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-        torch.set_num_threads(max(2, threads))
-        many = run()
-    finally:
-        torch.set_num_threads(threads)
+    one, many = with_one_and_many_threads(run)
     for x, y in zip(one, many):
         assert torch.equal(x, y)
     if dtype == torch.float32:

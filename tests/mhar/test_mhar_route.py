@@ -7,7 +7,7 @@ import torch
 
 import headwise
 from headwise import reference
-from headwise.testing import rel_err
+from headwise.testing import rel_err, with_one_and_many_threads
 
 # (N, B, T, d, H): odd sizes, and one case per kernel layout of the CUDA kernel:
 # vec8 + lane segments, vec8 + whole warps per head, vec8 + generic, scalar + segments,
@@ -232,14 +232,7 @@ def test_bitwise_deterministic(backend):
 
 
 def test_deterministic_across_thread_counts(host_backend):
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _run_fwd_bwd(host_backend)
-        torch.set_num_threads(max(2, threads))
-        many = _run_fwd_bwd(host_backend)
-    finally:
-        torch.set_num_threads(threads)
+    one, many = with_one_and_many_threads(lambda: _run_fwd_bwd(host_backend))
     for a, b in zip(one, many):
         assert torch.equal(a, b)
 

@@ -8,7 +8,7 @@ import torch
 
 import headwise
 from headwise import QKVLayout, reference
-from headwise.testing import rel_err
+from headwise.testing import rel_err, with_one_and_many_threads
 
 FP32_TOL = 1e-5
 BF16_TOL = 2 ** -6
@@ -251,15 +251,8 @@ def _fwd_bwd(ops):
 
 
 def test_deterministic_across_thread_counts(host_backend):
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _fwd_bwd(host_backend)
-        torch.set_num_threads(max(2, threads))
-        many = _fwd_bwd(host_backend)
-        again = _fwd_bwd(host_backend)
-    finally:
-        torch.set_num_threads(threads)
+    one, many = with_one_and_many_threads(lambda: _fwd_bwd(host_backend))
+    again = with_one_and_many_threads(lambda: _fwd_bwd(host_backend))[1]
     # Norm-weight gradients: fixed-order reductions, bitwise reproducible.
     for a, b, c in zip(one[-2:], many[-2:], again[-2:]):
         assert torch.equal(a, b) and torch.equal(b, c)
