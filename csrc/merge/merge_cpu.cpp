@@ -180,9 +180,10 @@ bool cholesky_lower(double* g, int64_t n) {
 std::pair<at::Tensor, std::vector<char>> norm_factors_t(const at::Tensor& wA, int64_t H) {
   const int64_t D = wA.size(0), Dv = wA.size(1) / H;
   at::Tensor wh = wA.unflatten(1, {H, Dv}).permute({1, 0, 2}).to(at::kDouble);  // [H, D, Dv]
-  const at::Tensor finite = at::isfinite(wh).flatten(1).all(1).to(at::kChar).contiguous();
+  const at::Tensor finite = at::isfinite(wA).all(0).view({H, Dv}).all(1).to(at::kChar).contiguous();  // [H]
   std::vector<char> w_finite(finite.data_ptr<int8_t>(), finite.data_ptr<int8_t>() + H);
-  wh = at::where(finite.to(at::kBool).view({H, 1, 1}), wh, at::zeros({}, wh.options()));
+  if (std::find(w_finite.begin(), w_finite.end(), 0) != w_finite.end())
+    wh = at::where(finite.to(at::kBool).view({H, 1, 1}), wh, at::zeros({}, wh.options()));
   auto qr_rt = [&](const at::Tensor& w) { return std::get<1>(at::linalg_qr(w, "r")).transpose(-2, -1); };
   if (wA.scalar_type() == at::kDouble || D < Dv) return {qr_rt(wh).contiguous(), w_finite};
   at::Tensor l = at::bmm(wh.transpose(1, 2), wh).contiguous();  // Gram [H, Dv, Dv], fp64
