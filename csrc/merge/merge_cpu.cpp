@@ -180,20 +180,32 @@ bool cholesky_lower(double* g, int64_t n) {
 std::pair<at::Tensor, std::vector<char>> norm_factors_t(const at::Tensor& wA, int64_t H) {
   const int64_t D = wA.size(0), Dv = wA.size(1) / H;
   at::Tensor wh = wA.unflatten(1, {H, Dv}).permute({1, 0, 2}).to(at::kDouble);  // [H, D, Dv]
-  const at::Tensor finite = at::isfinite(wA).all(0).view({H, Dv}).all(1).to(at::kChar).contiguous();  // [H]
-  std::vector<char> w_finite(finite.data_ptr<int8_t>(), finite.data_ptr<int8_t>() + H);
-  if (std::find(w_finite.begin(), w_finite.end(), 0) != w_finite.end())
-    wh = at::where(finite.to(at::kBool).view({H, 1, 1}), wh, at::zeros({}, wh.options()));
+  std::vector<char> w_finite(H, 1);
   auto qr_rt = [&](const at::Tensor& w) { return std::get<1>(at::linalg_qr(w, "r")).transpose(-2, -1); };
-  if (wA.scalar_type() == at::kDouble || D < Dv) return {qr_rt(wh).contiguous(), w_finite};
+  if (wA.scalar_type() == at::kDouble || D < Dv) {
+    const at::Tensor finite = at::isfinite(wh).flatten(1).all(1);  // [H]
+    for (int64_t h = 0; h < H; ++h) w_finite[h] = finite[h].item<bool>();
+    if (std::find(w_finite.begin(), w_finite.end(), 0) != w_finite.end())
+      wh = at::where(finite.view({H, 1, 1}), wh, at::zeros({}, wh.options()));
+    return {qr_rt(wh).contiguous(), w_finite};
+  }
   at::Tensor l = at::bmm(wh.transpose(1, 2), wh).contiguous();  // Gram [H, Dv, Dv], fp64
   std::vector<char> ok(H);
   double* lp = l.data_ptr<double>();
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) ok[h] = cholesky_lower(lp + h * Dv * Dv, Dv);
   });
-  for (int64_t h = 0; h < H; ++h)
-    if (!ok[h]) l[h].copy_(qr_rt(wh[h]));
+  // A non-finite W_h makes its Gram matrix non-finite, so Cholesky fails there too: the
+  // finiteness check runs only for the (rare) failed heads.
+  for (int64_t h = 0; h < H; ++h) {
+    if (ok[h]) continue;
+    if (!at::isfinite(wh[h]).all().item<bool>()) {
+      w_finite[h] = 0;
+      l[h].zero_();
+    } else {
+      l[h].copy_(qr_rt(wh[h]));
+    }
+  }
   return {l, w_finite};  // L = R^T
 }
 
