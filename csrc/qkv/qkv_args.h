@@ -166,14 +166,30 @@ inline at::Tensor packed_product(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // The library GEMMs of the backward from the packed gradient G [B*S, N_total]:
-// grad_x = G @ W, grad_weight = G^T @ x, grad_bias = sum of G's rows (fp32 sum for
-// narrow dtypes; 0-element without bias).
+// grad_x = G @ W, grad_weight = G^T @ x (fp32/fp64 on the CPU: contracted in fixed-order
+// token chunks), grad_bias = sum of G's rows (fp32 sum for narrow dtypes; 0-element
+// without bias).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_gemms(const at::Tensor& G, const at::Tensor& x,
                                                                      const at::Tensor& weight,
                                                                      const c10::optional<at::Tensor>& bias,
                                                                      const Shape& s) {
   at::Tensor grad_x = at::mm(G, weight).view({s.batch, s.seq, s.d_model});
-  at::Tensor grad_w = at::mm(G.t(), x.reshape({s.tokens(), s.d_model}));
+  const at::Tensor x2d = x.reshape({s.tokens(), s.d_model});
+  at::Tensor grad_w;
+  if (G.device().is_cpu() && (G.scalar_type() == at::kFloat || G.scalar_type() == at::kDouble)) {
+    // The contraction over all tokens in fixed-order chunks of kWeightGradChunk: one GEMM
+    // over them lets a CPU BLAS split it across threads, which changes the bits with the
+    // thread count. (Narrow dtypes keep one GEMM: chunk sums would round to bf16/fp16.)
+    constexpr int64_t kWeightGradChunk = 512;
+    grad_w = at::mm(G.narrow(0, 0, std::min(s.tokens(), kWeightGradChunk)).t(),
+                    x2d.narrow(0, 0, std::min(s.tokens(), kWeightGradChunk)));
+    for (int64_t t0 = kWeightGradChunk; t0 < s.tokens(); t0 += kWeightGradChunk) {
+      const int64_t n = std::min(kWeightGradChunk, s.tokens() - t0);
+      grad_w.addmm_(G.narrow(0, t0, n).t(), x2d.narrow(0, t0, n));
+    }
+  } else {
+    grad_w = at::mm(G.t(), x2d);
+  }
   at::Tensor grad_b;
   if (bias.has_value()) {
     const auto acc = G.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

@@ -258,6 +258,20 @@ def test_deterministic_across_thread_counts(host_backend):
         assert torch.equal(a, b) and torch.equal(b, c)
 
 
+def test_weight_grad_deterministic_across_thread_counts(host_backend):
+    # fp32 weight gradient over 1203 tokens: the contraction runs in fixed 512-token
+    # chunks (one GEMM over all tokens gave other bits with 2 threads than with 1).
+    layout = QKVLayout(4, 2, 16)
+    args, kw = make_case(layout, 3, 401, 24, norm=False, rope=False)
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(3, h, 401, 16, generator=gen) for h in (4, 2, 2)]
+    one, many = with_one_and_many_threads(lambda: run(host_backend.qkv_project, args, kw, grads)[1])
+    for name in ("x", "weight", "bias"):
+        assert torch.equal(one[name], many[name]), name
+    _, want = run(reference.qkv_project, args, kw, grads)
+    assert rel_err(one["weight"], want["weight"]) <= 1e-5
+
+
 def test_saves_packed_product_only_with_a_norm(host_backend):
     layout = QKVLayout(4, 2, 8)
     for norm, expected in ((False, []), (True, [((10, layout.num_rows), torch.float32)])):
