@@ -21,7 +21,7 @@ test: $(VENV)/.installed
 	cd tests && ../$(PY) -m pytest -q -ra .
 
 bench: $(VENV)/.installed
-	$(PY) -m headwise.bench mhar qkv --json bench_out.json --png bench_out.png
+	$(PY) -m headwise.bench mhar qkv merge dcmha --json bench_out.json --png bench_out.png
 
 # Sanitizer run: a separate CPU-only build into build-asan/ (the installed package is
 # untouched), imported from build-asan/pkg with libasan/libubsan preloaded into python.
