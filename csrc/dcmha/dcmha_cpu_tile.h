@@ -58,6 +58,19 @@ struct Tile {
   T* at(int64_t n, int64_t i) const { return p + n * hs + i * rs; }
 };
 
+// One composed row, j < nk: out[j] = x[j] (base + kg[j]) + a0 p[j] + a1 p[nk + j]
+// + k0[j] q[j] + k1[j] q[nk + j] — the forward's output row of head m (x = X[m], base =
+// 1 + G_q[m], kg = G_k[m], a = W2_q[:, m], p = the query-side rank projections, k = W2_k
+// [:, m], q = the key-side ones) and, with the roles transposed, the backward's dX row
+// (x = dY[n], a = W1_q[:, n], k = W1_k[:, n], p and q the projected gradients). out may
+// alias x (each j is read before it is written).
+template <typename A>
+HW_CPU_INLINE void compose_row(const A* x, A base, const A* kg, A a0, A a1, const A* p, const A* k0, const A* k1,
+                               const A* q, A* out, int64_t nk) {
+  for (int64_t j = 0; j < nk; ++j)
+    out[j] = x[j] * (base + kg[j]) + a0 * p[j] + a1 * p[nk + j] + k0[j] * q[j] + k1[j] * q[nk + j];
+}
+
 // Y = compose(X) over rows [0, nq) (t = t0 + i), cols [0, nk) (s = s0 + j). Y may alias X.
 // scratch: 2 * R * nk elements.
 template <typename A>
@@ -88,17 +101,9 @@ HW_CPU_INLINE void compose_fwd(const SlotWeights<A>& w, Tile<const A> X, Tile<A>
           }
         }
       }
-      for (int64_t m = g0; m < g0 + hg; ++m) {
-        const A* x = X.at(m, i);
-        A* y = Y.at(m, i);
-        const A base = A(1) + qg[m];
-        const A* km = kg + m * T;
-        const A b0 = qw2[m], b1 = qw2[H + m];
-        const A* k0 = kw2 + m * T;
-        const A* k1 = kw2 + (H + m) * T;
-        for (int64_t j = 0; j < nk; ++j)
-          y[j] = x[j] * (base + km[j]) + b0 * pq[j] + b1 * pq[nk + j] + k0[j] * pk[j] + k1[j] * pk[nk + j];
-      }
+      for (int64_t m = g0; m < g0 + hg; ++m)
+        compose_row(X.at(m, i), A(1) + qg[m], kg + m * T, qw2[m], qw2[H + m], pq, kw2 + m * T, kw2 + (H + m) * T,
+                    pk, Y.at(m, i), nk);
     }
   }
 }
@@ -202,16 +207,9 @@ HW_CPU_INLINE void compose_bwd(const SlotWeights<A>& w, Tile<const A> X, Tile<co
             k21[j] += pk[nk + j] * dy[j];
           }
         }
-        if (dX.p != nullptr) {
-          A* dx = dX.at(n, i);
-          const A base = A(1) + qg[n];
-          const A* kn = kg + n * T;
-          const A a0 = qw1[n], a1 = qw1[H + n];
-          const A* k0 = kw1 + n * T;
-          const A* k1 = kw1 + (H + n) * T;
-          for (int64_t j = 0; j < nk; ++j)
-            dx[j] = dy[j] * (base + kn[j]) + a0 * dpq[j] + a1 * dpq[nk + j] + k0[j] * dpk[j] + k1[j] * dpk[nk + j];
-        }
+        if (dX.p != nullptr)
+          compose_row(dy, A(1) + qg[n], kg + n * T, qw1[n], qw1[H + n], dpq, kw1 + n * T, kw1 + (H + n) * T, dpk,
+                      dX.at(n, i), nk);
       }
     }
   }
