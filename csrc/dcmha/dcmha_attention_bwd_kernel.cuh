@@ -95,6 +95,22 @@ __device__ __forceinline__ void slot_weights(const AttnParams& f, int b, int x, 
   g = f.g + ((static_cast<int64_t>(b) * f.T + x) * 4 + c) * f.H;
 }
 
+// acc[n, e] += sum_{j < nrows} chunk[n][j] * rows[(row + n T + r0 + j) d + e] for the block's
+// share of (n, e) in [H) x [d): a [H][blockDim] chunk of per-head coefficients times the
+// matching rows of a head-major [H, T, d] operand (k for dq; dout for dv; q for dk).
+template <typename T>
+__device__ __forceinline__ void accumulate_chunk_rows(float* acc, const float* chunk, const T* rows, int64_t row,
+                                                      int TT, int r0, int nrows, int H, int d) {
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  for (int i = tid; i < H * d; i += nthreads) {
+    const int n = i / d, e = i % d;
+    const T* r = rows + (row + static_cast<int64_t>(n) * TT + r0) * d + e;
+    float a = acc[i];
+    for (int j = 0; j < nrows; ++j) a += chunk[n * nthreads + j] * static_cast<float>(r[static_cast<int64_t>(j) * d]);
+    acc[i] = a;
+  }
+}
+
 // Floats of dynamic smem of either kernel: two head rows [H max(dh, dv)] x 2, weights
 // 2 x 5H, statistics 3H, two chunk buffers [H blockDim], two accumulators [H dh], [H dv],
 // BlockSum scratch 64.
@@ -216,13 +232,7 @@ __global__ void __launch_bounds__(kAttnThreads) dcmha_attention_bwd_query(const 
     }
     __syncthreads();
     const int nk = s_end - s0 < nthreads ? s_end - s0 : nthreads;
-    for (int i = tid; i < H * dh; i += nthreads) {
-      const int n = i / dh, e = i % dh;
-      const T* kr = k + (row + static_cast<int64_t>(n) * TT + s0) * dh + e;
-      float a = dqs[i];
-      for (int j = 0; j < nk; ++j) a += chunk[n * nthreads + j] * static_cast<float>(kr[static_cast<int64_t>(j) * dh]);
-      dqs[i] = a;
-    }
+    accumulate_chunk_rows(dqs, chunk, k, row, TT, s0, nk, H, dh);
     __syncthreads();
   }
   for (int i = 0; i < 5 * H; ++i) {
@@ -331,20 +341,8 @@ __global__ void __launch_bounds__(kAttnThreads) dcmha_attention_bwd_key(const At
     }
     __syncthreads();
     const int nq = t_end - t0 < nthreads ? t_end - t0 : nthreads;
-    for (int i = tid; i < H * dv; i += nthreads) {
-      const int n = i / dv, e = i % dv;
-      const T* dr = dout + (row + static_cast<int64_t>(n) * TT + t0) * dv + e;
-      float a = dvs[i];
-      for (int j = 0; j < nq; ++j) a += chunk_p[n * nthreads + j] * static_cast<float>(dr[static_cast<int64_t>(j) * dv]);
-      dvs[i] = a;
-    }
-    for (int i = tid; i < H * dh; i += nthreads) {
-      const int n = i / dh, e = i % dh;
-      const T* qr = q + (row + static_cast<int64_t>(n) * TT + t0) * dh + e;
-      float a = dks[i];
-      for (int j = 0; j < nq; ++j) a += chunk_l[n * nthreads + j] * static_cast<float>(qr[static_cast<int64_t>(j) * dh]);
-      dks[i] = a;
-    }
+    accumulate_chunk_rows(dvs, chunk_p, dout, row, TT, t0, nq, H, dv);
+    accumulate_chunk_rows(dks, chunk_l, q, row, TT, t0, nq, H, dh);
     __syncthreads();
   }
   for (int i = 0; i < 5 * H; ++i) {
