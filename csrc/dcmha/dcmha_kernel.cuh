@@ -55,8 +55,15 @@ __device__ __forceinline__ int64_t g_off(const ComposeParams& p, int b, int t, i
   return ((static_cast<int64_t>(b) * p.T + t) * 4 + c) * p.H;
 }
 
-// Shared query weights of one row: w1q [R H], w2q [R H], gq [H].
-__device__ __forceinline__ void load_query_weights(const ComposeParams& p, int b, int t, float* smem) {
+// The query weights of row t: loaded into smem as w1q [R H], w2q [R H], gq [H] and
+// returned as pointers into it.
+struct QueryWeights {
+  const float* w1;
+  const float* w2;
+  const float* g;
+};
+
+__device__ __forceinline__ QueryWeights load_query_weights(const ComposeParams& p, int b, int t, float* smem) {
   const float* w1 = p.w1 + w_off(p, b, t, p.cq);
   const float* w2 = p.w2 + w_off(p, b, t, p.cq);
   const float* g = p.g + g_off(p, b, t, p.cq);
@@ -66,16 +73,14 @@ __device__ __forceinline__ void load_query_weights(const ComposeParams& p, int b
   }
   for (int i = threadIdx.x; i < p.H; i += blockDim.x) smem[2 * kR * p.H + i] = g[i];
   __syncthreads();
+  return {smem, smem + kR * p.H, smem + 2 * kR * p.H};
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_fwd(const ComposeParams p) {
   const int t = blockIdx.x, b = blockIdx.y, H = p.H, TT = p.T;
   float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
-  load_query_weights(p, b, t, smem);
-  const float* qw1 = smem;
-  const float* qw2 = smem + kR * H;
-  const float* qg = smem + 2 * kR * H;
+  const auto [qw1, qw2, qg] = load_query_weights(p, b, t, smem);
   const int64_t head_stride = static_cast<int64_t>(TT) * TT;
   const T* a = static_cast<const T*>(p.a) + static_cast<int64_t>(b) * H * head_stride + static_cast<int64_t>(t) * TT;
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * H * head_stride + static_cast<int64_t>(t) * TT;
@@ -105,10 +110,7 @@ template <typename T>
 __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd_query(const ComposeParams p) {
   const int t = blockIdx.x, b = blockIdx.y, H = p.H, TT = p.T;
   float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
-  load_query_weights(p, b, t, smem);
-  const float* qw1 = smem;
-  const float* qw2 = smem + kR * H;
-  const float* qg = smem + 2 * kR * H;
+  const auto [qw1, qw2, qg] = load_query_weights(p, b, t, smem);
   hw::BlockSum block_sum(smem + 2 * kR * H + H);
   const int64_t head_stride = static_cast<int64_t>(TT) * TT;
   const int64_t base = static_cast<int64_t>(b) * H * head_stride + static_cast<int64_t>(t) * TT;
