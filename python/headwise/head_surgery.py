@@ -23,6 +23,15 @@ is removed (its K/V rows would be dead weight); naming a KV head in ``kv_heads``
 group still has a query head raises. A layout needs equal groups, so the kept query heads
 must be spread equally over the kept KV heads (e.g. prune the same number of query heads
 from every group, or whole groups); anything else raises, before anything is changed.
+
+**From an arbitrary mask to a prunable one** (:func:`prunable_mask`). A score or L0 mask
+closes any set of query heads. The rule that makes it prunable never closes a head the
+mask keeps open, and closes as many of the asked heads as a layout allows: every KV group
+whose query heads are all closed is removed whole; of the other groups, each loses the
+same number k of query heads, k = the fewest heads the mask closes in any of them (the
+k lowest-``priority`` closed heads of each group, ties to the lower index). So the pruned
+mask is the asked mask with some closed heads reopened; with MHA (groups of one) it is
+the asked mask itself.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import Dict, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["PrunedHeads", "PermutedHeads", "head_mask", "permute_heads", "prune_heads"]
+__all__ = ["PrunedHeads", "PermutedHeads", "head_mask", "permute_heads", "prunable_mask", "prune_heads"]
 
 
 class PrunedHeads(NamedTuple):
@@ -119,6 +128,41 @@ def head_mask(num_heads: int, heads: Iterable[int], *, batch: Optional[int] = No
     if idx:
         g[torch.as_tensor(idx, dtype=torch.long)] = 0
     return g if batch is None else g.expand(batch, num_heads).clone()
+
+
+def prunable_mask(mask: torch.Tensor, num_kv_heads: int, *, priority: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The prunable form of a hard mask (module docstring): ``mask [H]`` of 0/1 (0 =
+    closed), ``num_kv_heads`` dividing H, optional ``priority [H]`` (e.g. the head scores
+    or gate logits; among a group's closed heads the lowest-priority ones are pruned
+    first). Returns a float32 0/1 ``[H]`` whose closed heads :func:`prune_heads` accepts
+    (a subset of the asked closed heads)."""
+    m = torch.as_tensor(mask)
+    if m.dim() != 1 or m.numel() == 0:
+        raise ValueError(f"headwise.prunable_mask: mask must be a non-empty [H] tensor, got shape {list(m.shape)}")
+    if not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError("headwise.prunable_mask: mask must hold only 0 and 1")
+    hq = m.numel()
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1 or hq % num_kv_heads:
+        raise ValueError(f"headwise.prunable_mask: num_kv_heads must be a positive divisor of H ({hq}), "
+                         f"got {num_kv_heads!r}")
+    if priority is None:
+        prio = torch.zeros(hq, dtype=torch.float64)
+    else:
+        prio = torch.as_tensor(priority).detach().double().cpu()
+        if tuple(prio.shape) != (hq,):
+            raise ValueError(f"headwise.prunable_mask: priority must be [H] = [{hq}], got shape {list(prio.shape)}")
+    group = hq // num_kv_heads
+    closed = (m.detach().cpu() == 0).tolist()
+    groups = [list(range(j * group, (j + 1) * group)) for j in range(num_kv_heads)]
+    partial = [g for g in groups if not all(closed[h] for h in g)]
+    k = min(sum(closed[h] for h in g) for g in partial) if partial else 0
+    out = torch.ones(hq, dtype=torch.float32)
+    for g in groups:
+        asked = [h for h in g if closed[h]]
+        if g in partial:
+            asked = sorted(asked, key=lambda h: (prio[h].item(), h))[:k]
+        out[asked] = 0.0
+    return out
 
 
 def _kv_plan(layout, remove_q: set, kv_heads, fn: str):

@@ -335,6 +335,11 @@ class Ops:
         self.ns = ns
         self._lib = getattr(torch.ops, ns)
 
+    def __deepcopy__(self, memo) -> "Ops":
+        """Shared, not copied: an Ops is an immutable binding to an op library (so that
+        ``copy.deepcopy`` of a module holding one works; the op namespace cannot be copied)."""
+        return self
+
     def mhar_route(
         self,
         sources: torch.Tensor,
