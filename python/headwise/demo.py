@@ -25,7 +25,7 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +84,89 @@ def progress(prefix: str, step: int, total: int, text: str) -> None:
     print(f"\r{prefix:<11} [{bar}] {step:>4}/{total} {text}", end=end, file=sys.stderr, flush=True)
 
 
+@dataclass
+class LMData:
+    """The byte-level language-modeling data of a run: the training split (random windows
+    of ``seq + 1`` bytes, drawn by ``gen``) and a fixed list of validation batches (evenly
+    spaced windows of the validation split, the last 5% of the bytes)."""
+
+    train: torch.Tensor
+    val_batches: list
+    window: int
+    batch: int
+    device: torch.device
+    gen: torch.Generator
+
+    @classmethod
+    def from_corpus(cls, data: torch.Tensor, *, seq: int, batch: int, val_batches: int, seed: int,
+                    device: torch.device) -> "LMData":
+        split = int(0.95 * len(data))
+        train, val = data[:split], data[split:]
+        window = seq + 1
+        val_starts = torch.linspace(0, len(val) - window - 1, val_batches * batch).long()
+        vals = [torch.stack([val[s:s + window] for s in val_starts[i::val_batches]]).long().to(device)
+                for i in range(val_batches)]
+        return cls(train, vals, window, batch, device, torch.Generator().manual_seed(seed))
+
+    def random_batch(self) -> torch.Tensor:
+        starts = torch.randint(0, len(self.train) - self.window, (self.batch,), generator=self.gen)
+        return torch.stack([self.train[s:s + self.window] for s in starts]).long().to(self.device)
+
+
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross entropy of ``batch [B, T + 1]`` (nats / byte)."""
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def evaluate(model: torch.nn.Module, val_batches: list) -> float:
+    """Mean validation loss in eval mode, without gradients (the model is left in train mode)."""
+    model.eval()
+    with torch.no_grad():
+        value = sum(lm_loss(model, b).item() for b in val_batches) / len(val_batches)
+    model.train()
+    return value
+
+
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, lm: LMData, *, steps: int, eval_every: int,
+                name: str, extra_loss: Optional[Callable[[int], torch.Tensor]] = None) -> tuple[list, float]:
+    """``steps`` AdamW-style steps on random training batches with the demo's schedule (linear
+    warm-up over the first 10% of the steps, then cosine, floor 5%; each parameter group's
+    base rate is its ``lr`` at the first call), gradient clipping at 1, a progress bar, and a
+    validation point every ``eval_every`` steps. ``extra_loss(step)`` (1-based, called
+    before the step's forward) is added to the language-modeling loss (e.g. an L0
+    penalty). Returns ``(curve [(step, val_loss)], training seconds)``, the curve starting
+    with the loss before training at step 0."""
+    device = lm.device
+    curve = [(0, evaluate(model, lm.val_batches))]
+    for group in opt.param_groups:
+        group.setdefault("base_lr", group["lr"])
+    params = [p for group in opt.param_groups for p in group["params"]]
+    train_time = 0.0
+    for i in range(1, steps + 1):
+        lr_scale = min(1.0, i / max(1, steps // 10)) * 0.5 * (1 + math.cos(math.pi * i / steps))
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * max(lr_scale, 0.05)
+        batch = lm.random_batch()
+        synchronize(device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        extra = None if extra_loss is None else extra_loss(i)  # before the forward: it may freeze parameters
+        loss = lm_loss(model, batch)
+        (loss if extra is None else loss + extra).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        loss_value = loss.item()
+        synchronize(device)
+        train_time += time.perf_counter() - t0
+        if i % eval_every == 0 or i == steps:
+            curve.append((i, evaluate(model, lm.val_batches)))
+        tok_s = i * lm.batch * (lm.window - 1) / train_time
+        progress(name, i, steps, f"loss {loss_value:.3f}  val {curve[-1][1]:.3f}  "
+                                 f"{1e3 * train_time / i:.0f} ms/step  {tok_s:,.0f} tok/s")
+    return curve, train_time
+
+
 def train_variant(name: str, data: torch.Tensor, args, device: torch.device) -> Result:
     torch.manual_seed(args.seed)
     reset_peak_memory(device)
@@ -91,54 +174,9 @@ def train_variant(name: str, data: torch.Tensor, args, device: torch.device) -> 
                         **VARIANTS[name])
     model = Decoder(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
-    split = int(0.95 * len(data))
-    train, val = data[:split], data[split:]
-    gen = torch.Generator().manual_seed(args.seed)
-    window = args.seq + 1
-    val_starts = torch.linspace(0, len(val) - window - 1, args.val_batches * args.batch).long()
-    val_batches = [torch.stack([val[s:s + window] for s in val_starts[i::args.val_batches]]).long().to(device)
-                   for i in range(args.val_batches)]
-
-    def loss_of(batch):
-        logits = model(batch[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
-
-    def evaluate():
-        model.eval()
-        with torch.no_grad():
-            value = sum(loss_of(b).item() for b in val_batches) / len(val_batches)
-        model.train()
-        return value
-
-    def step(batch):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_of(batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss
-
-    def batch_at_random():
-        starts = torch.randint(0, len(train) - window, (args.batch,), generator=gen)
-        return torch.stack([train[s:s + window] for s in starts]).long().to(device)
-
-    curve = [(0, evaluate())]
-    train_time, loss = 0.0, float("nan")
-    for i in range(1, args.steps + 1):
-        lr_scale = min(1.0, i / max(1, args.steps // 10)) * 0.5 * (1 + math.cos(math.pi * i / args.steps))
-        for group in opt.param_groups:
-            group["lr"] = args.lr * max(lr_scale, 0.05)
-        batch = batch_at_random()
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss = step(batch).item()
-        synchronize(device)
-        train_time += time.perf_counter() - t0
-        if i % args.eval_every == 0 or i == args.steps:
-            curve.append((i, evaluate()))
-        tok_s = i * args.batch * args.seq / train_time
-        progress(name, i, args.steps, f"loss {loss:.3f}  val {curve[-1][1]:.3f}  "
-                                      f"{1e3 * train_time / i:.0f} ms/step  {tok_s:,.0f} tok/s")
+    lm = LMData.from_corpus(data, seq=args.seq, batch=args.batch, val_batches=args.val_batches, seed=args.seed,
+                            device=device)
+    curve, train_time = train_steps(model, opt, lm, steps=args.steps, eval_every=args.eval_every, name=name)
     peak = peak_memory(device)
     return Result(name, model.num_parameters(), args.steps, curve[-1][1], min(v for _, v in curve),
                   args.steps * args.batch * args.seq / train_time, 1e3 * train_time / args.steps,

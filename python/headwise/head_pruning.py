@@ -18,7 +18,11 @@ every attention layer of a ``headwise.models.Decoder`` (``attention="mha"``) or 
    ``s``. ``rescale=False`` is the plain hard mask (no scale).
 
 The pruned model's output equals the masked model's (``set_head_masks(model,
-pruned_masks, rescale=rescale)``) up to fp32 rounding order. A mask that closes every
+pruned_masks, rescale=rescale)``) up to fp32 rounding order. Masks are binary: from a
+BinConcrete :class:`headwise.nn.HeadGate` at eval, ``gate_masks(model)`` *is* the gate
+(and ``rescale=True`` its ``s_g``); a Hard-Concrete gate's test-time values lie in [0, 1]
+and are not folded in, so its pruning equals the model masked by ``gate_masks``, not the
+continuously gated one. A mask that closes every
 head of a layer is refused with :class:`AllHeadsClosedError` (the layer would compute
 only its output bias; headwise does not replace an attention module by its bias) before
 any layer is changed: every layer's new tensors are computed and checked first, and the
