@@ -9,10 +9,14 @@ validation loss in nats/byte, tokens/s, peak memory: CUDA allocator peak, or on 
 the process's peak resident set during the variant's run) and DIR/loss.png (validation loss
 curves; needs matplotlib, otherwise skipped with a note).
 
-Variants: residual (standard), attnres (single-head routing), mhar (multi-head routing
-through the DepthBuffer), dcmha (standard residual, attention by headwise.nn.DCMHAttention:
-dynamically composed heads in the fused two-pass attention kernel), block_mhar (delta
-routing over block-aggregated deltas, on request).
+Variants (the recursions are in headwise.models.decoder's docstring): residual
+(standard), attnres (Attention Residuals: replacement routing over the embedding and the
+sublayer outputs, one head), mhar (the same with multi-head routing through the
+DepthBuffer), block_attnres (Block AttnRes, 2 blocks), dcmha (standard residual, attention
+by headwise.nn.DCMHAttention: dynamically composed heads in the fused two-pass attention
+kernel); on request block_mhar (delta routing over block sums on top of the intact
+residual stream) and cumulative_mhar (headwise's own earlier formulation, the "attnres"
+/ "mhar" rows of the results before 2026-11-30 with routing_heads 1 / n_heads).
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ VARIANTS = {
     "residual": dict(residual="residual"),
     "attnres": dict(residual="attnres"),
     "mhar": dict(residual="mhar"),
-    "block_mhar": dict(residual="block_mhar", num_blocks=3),
+    "block_attnres": dict(residual="block_attnres", num_blocks=2),
+    "block_mhar": dict(residual="block_mhar", num_blocks=2),
+    "cumulative_mhar": dict(residual="cumulative_mhar"),
     "dcmha": dict(residual="residual", attention="dcmha"),
 }
-DEFAULT_VARIANTS = ("residual", "attnres", "mhar", "dcmha")
+DEFAULT_VARIANTS = ("residual", "attnres", "mhar", "block_attnres", "dcmha")
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
@@ -81,7 +87,7 @@ def progress(prefix: str, step: int, total: int, text: str) -> None:
     filled = int(width * step / total)
     bar = "#" * filled + "-" * (width - filled)
     end = "\n" if step == total else ""
-    print(f"\r{prefix:<11} [{bar}] {step:>4}/{total} {text}", end=end, file=sys.stderr, flush=True)
+    print(f"\r{prefix:<15} [{bar}] {step:>4}/{total} {text}", end=end, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -250,10 +256,10 @@ def main(argv=None) -> int:
     }
     (out / "demo.json").write_text(json.dumps(summary, indent=1))
     plotted = write_plot(results, out / "loss.png")
-    print(f"\n{'variant':<11} {'params':>9} {'val loss':>9} {'best':>7} {'ms/step':>8} {'tok/s':>9} {'peak MiB':>9}")
+    print(f"\n{'variant':<15} {'params':>9} {'val loss':>9} {'best':>7} {'ms/step':>8} {'tok/s':>9} {'peak MiB':>9}")
     for r in results:
         peak = "-" if r.peak_memory_mib is None else f"{r.peak_memory_mib:.0f}"
-        print(f"{r.variant:<11} {r.parameters:>9,} {r.final_val_loss:>9.3f} {r.best_val_loss:>7.3f} "
+        print(f"{r.variant:<15} {r.parameters:>9,} {r.final_val_loss:>9.3f} {r.best_val_loss:>7.3f} "
               f"{r.step_ms:>8.1f} {r.tokens_per_s:>9,.0f} {peak:>9}")
     print(f"wrote {out / 'demo.json'}" + (f" and {out / 'loss.png'}" if plotted else
                                          " (loss.png skipped: matplotlib is not installed)"))

@@ -1,14 +1,15 @@
-"""DepthBuffer: the residual-state buffer of an MHAR model (SPEC section 4).
+"""DepthBuffer: the depth-source buffer of an MHAR model (SPEC section 4).
 
-One ``[rows, B, T, d]`` buffer per forward holds every residual state, each written once
-as it is produced; the routing call whose own input is row ``i`` reads rows ``[0, i]``
-in place, with no per-call stack. In backward, all source gradients go into one shared
-fp32 buffer in place: the first backward to run (the last routing call) stores, every
-earlier call accumulates. This is exact because autograd runs the routing calls'
-backwards in strictly reverse forward order (each later call depends on the current
-call's output through the residual chain), so when call i runs, row i already holds the
-contributions of every later call; the call then returns row i to autograd as the
-gradient of its own input, and nothing else. The order is asserted at runtime.
+One ``[rows, B, T, d]`` buffer per forward holds every routing source, each written once
+as it is produced (in the papers' replacement models: the embedding v_0 and each
+sublayer's output v_{s+1}); the routing call whose own source is row ``i`` reads rows
+``[0, i]`` in place, with no per-call stack. In backward, all source gradients go into
+one shared fp32 buffer in place: the first backward to run (the last routing call)
+stores, every earlier call accumulates. This is exact because autograd runs the routing
+calls' backwards in strictly reverse forward order (call i + 1's source is computed from
+call i's output), so when call i runs, row i already holds the contributions of every
+later call; the call then returns row i to autograd as the gradient of its own source,
+and nothing else. The order is asserted at runtime.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .ops import DEFAULT_OPS, Ops, weights_dtype
 
 
 class DepthBuffer:
-    """Residual states ``[rows, B, T, d]`` of one forward, routed in place.
+    """Depth sources ``[rows, B, T, d]`` of one forward, routed in place.
 
     Usage per forward: ``buf = DepthBuffer(rows, B, T, d, ...)``; for each state in order,
     ``buf.write(i, state)``; ``buf.route(i, state, query, norm_weight, num_heads=H)`` mixes
@@ -43,7 +44,7 @@ class DepthBuffer:
         self._expected_backward: Optional[int] = None
 
     def write(self, row: int, state: torch.Tensor) -> None:
-        """Store the residual state of row ``row`` (once)."""
+        """Store the source of row ``row`` (once)."""
         if self._written[row]:
             raise RuntimeError(f"DepthBuffer: row {row} was already written; every state is written once")
         if state.shape != self.states.shape[1:]:

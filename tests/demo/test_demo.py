@@ -11,10 +11,10 @@ TINY = ["--steps", "3", "--eval-every", "2", "--d-model", "32", "--layers", "1",
 
 
 def test_tiny_run_writes_json_and_png(tmp_path):
-    assert demo.main(TINY + ["--out", str(tmp_path), "--variants", "residual", "mhar", "block_mhar", "dcmha"]) == 0
+    assert demo.main(TINY + ["--out", str(tmp_path), "--variants", "residual", "mhar", "block_attnres", "block_mhar", "dcmha"]) == 0
     summary = json.loads((tmp_path / "demo.json").read_text())
     assert summary["corpus"]["bytes"] == 200000
-    assert set(summary["variants"]) == {"residual", "mhar", "block_mhar", "dcmha"}
+    assert set(summary["variants"]) == {"residual", "mhar", "block_attnres", "block_mhar", "dcmha"}
     for result in summary["variants"].values():
         assert result["steps"] == 3 and result["tokens_per_s"] > 0
         assert result["best_val_loss"] <= result["final_val_loss"]

@@ -1,7 +1,7 @@
 """Whole-model training step: headwise.models.Decoder with residual "residual" | "attnres"
-| "mhar" | "block_mhar", its reference_forward (routing by headwise.reference, per-call
-stacks) eager and under torch.compile, against the model routed by headwise (DepthBuffer
-for attnres/mhar, per call for block_mhar). One step = forward, cross-entropy, backward.
+| "mhar" | "block_attnres" | "block_mhar", its reference_forward (routing by
+headwise.reference, per-call stacks) eager and under torch.compile, against the model
+routed by headwise (DepthBuffer for attnres/mhar, per call for the block modes). One step = forward, cross-entropy, backward.
 Reports the median step time, the bytes autograd saves for backward, and the peak memory
 of a step (CUDA: allocator peak; CPU: growth of the process's peak resident set)."""
 
@@ -16,7 +16,8 @@ from .timing import Row, median_ms, peak_bytes, saved_bytes
 CPU_SHAPE = dict(vocab=256, d=512, layers=6, heads=8, kv=4, b=2, t=256)
 GPU_SHAPE = dict(vocab=32000, d=2048, layers=16, heads=16, kv=8, b=2, t=4096)
 QUICK_SHAPE = dict(vocab=61, d=32, layers=1, heads=2, kv=1, b=1, t=8)
-VARIANTS = {"residual": {}, "attnres": {}, "mhar": {}, "block_mhar": dict(num_blocks=4)}
+VARIANTS = {"residual": {}, "attnres": {}, "mhar": {}, "block_attnres": dict(num_blocks=2),
+            "block_mhar": dict(num_blocks=2)}
 
 
 def _randomize_routers(model: Decoder) -> None:
