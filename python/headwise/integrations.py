@@ -17,6 +17,12 @@ gradients equal the unpatched model's up to fp32 rounding order (tested on tiny 
 Llama and Qwen3 models built from configs). ``unpatch_hf_attention(model)`` restores
 the original forwards.
 
+Head gates and statistics: every patched module gets the ``head_gate`` and
+``head_stats_sink`` slots of :mod:`headwise.head_gating` (learned
+:class:`headwise.nn.HeadGate`s, hard masks, score collection), and
+:func:`headwise.prune_model_heads` prunes its heads physically (the module's head counts
+then come from its layout and ``num_key_value_groups``, not from the shared config).
+
 Limits: rotary tables must be the same for every batch row (HF computes them from
 position_ids, which are shared unless you pass per-row positions); a call with per-row
 tables raises. Attention dropout runs inside the model's attention function, as before.
@@ -31,6 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .head_gating import GATED_ATTENTION, merge_heads
 from .ops import DEFAULT_OPS, Ops
 from .qkv_layout import QKVLayout
 
@@ -87,7 +94,7 @@ def _headwise_attention_forward(self, hidden_states, position_embeddings=None, a
         self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
         scaling=self.scaling, **kwargs)
     # attn_output [B, S, H, D]: its transpose is the [B, H, S, D] z that head_merge reads in place.
-    out = ops.head_merge(attn_output.transpose(1, 2), self.o_proj.weight, self.o_proj.bias)
+    out = merge_heads(self, ops.head_merge, attn_output.transpose(1, 2), self.o_proj.weight, self.o_proj.bias)
     return out, attn_weights
 
 
@@ -103,6 +110,9 @@ def patch_hf_attention(model: nn.Module, *, ops: Optional[Ops] = None) -> int:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         module._headwise_layout = QKVLayout(heads, kv_heads, module.head_dim)
         module._headwise_ops = ops or DEFAULT_OPS
+        module.head_gate = None
+        module.head_stats_sink = None
+        setattr(module, GATED_ATTENTION, True)
         setattr(module, _ORIGINAL, module.forward)
         module.forward = types.MethodType(_headwise_attention_forward, module)
         count += 1
@@ -115,7 +125,8 @@ def unpatch_hf_attention(model: nn.Module) -> int:
     for module in model.modules():
         if hasattr(module, _ORIGINAL):
             module.forward = getattr(module, _ORIGINAL)
-            for name in (_ORIGINAL, "_headwise_layout", "_headwise_ops"):
+            for name in (_ORIGINAL, "_headwise_layout", "_headwise_ops", "head_gate", "head_stats_sink",
+                         GATED_ATTENTION):
                 delattr(module, name)
             count += 1
     return count

@@ -11,6 +11,10 @@ from headwise.models.decoder import BLOCK_RESIDUALS, RESIDUALS
 from headwise.testing import rel_err
 
 TOL = 2.5e-6
+# forward vs reference_forward of the whole model: the mha layers' head merge runs the
+# kernel against reference.head_merge there, so the merge's fp32 tolerance (tests/merge)
+# applies on top of the routers' (sim, attnres: 2.8e-6 measured).
+MODEL_TOL = 1e-5
 
 
 def tiny(residual="mhar", routing_impl="buffer", n_layers=4, **kw):
@@ -66,7 +70,7 @@ def test_forward_matches_reference_forward(host_backend, residual):
     if residual != "residual":
         randomize_routers(model)
     tokens = torch.randint(0, 61, (2, 7))
-    assert rel_err(model(tokens), model.reference_forward(tokens)) <= TOL
+    assert rel_err(model(tokens), model.reference_forward(tokens)) <= MODEL_TOL
 
 
 @pytest.mark.parametrize("kw", DELTA_CONFIGS, ids=lambda kw: "-".join(f"{v}" for v in kw.values()))

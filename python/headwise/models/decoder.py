@@ -57,6 +57,7 @@ from torch import nn
 
 from .. import reference
 from ..depth_buffer import DepthBuffer
+from ..head_gating import GATED_ATTENTION, merge_heads
 from ..nn import DCMHAttention, MHARRouter
 from ..ops import DEFAULT_OPS, Ops
 
@@ -159,18 +160,30 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    """GQA self-attention with q/k RMSNorm and RoPE; the heads are merged by
+    ``head_merge`` (``o_proj.weight [d, H * head_dim]`` is W_O in the merge's layout, the
+    state dict is nn.Linear's), through the layer's ``head_gate`` and ``head_stats_sink``
+    slots (``headwise.head_gating``: learned gates, hard masks, per-head statistics).
+    ``n_heads`` / ``n_kv`` are this layer's head counts (``headwise.prune_model_heads``
+    lowers them)."""
+
+    def __init__(self, cfg: DecoderConfig, *, ops: Optional[Ops] = None):
         super().__init__()
         self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
+        self.ops = DEFAULT_OPS if ops is None else ops
         self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.head_gate: Optional[nn.Module] = None
+        self.head_stats_sink = None
+        setattr(self, GATED_ATTENTION, True)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, use_reference: bool = False):
+        """``use_reference``: the merge by ``headwise.reference.head_merge`` (the oracle)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
@@ -179,8 +192,9 @@ class Attention(nn.Module):
         if self.n_kv != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        z = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, head_dim]
+        merge = reference.head_merge if use_reference else self.ops.head_merge
+        return merge_heads(self, merge, z, self.o_proj.weight, self.o_proj.bias)
 
 
 class SwiGLU(nn.Module):
@@ -233,7 +247,7 @@ class Decoder(nn.Module):
         self.norms = nn.ModuleList()
         for _ in range(cfg.n_layers):
             self.sublayers.append(DCMHAttention(d, cfg.n_heads, ops=self._ops) if cfg.attention == "dcmha"
-                                  else Attention(cfg))
+                                  else Attention(cfg, ops=self._ops))
             self.norms.append(RMSNorm(d, cfg.norm_eps))
             self.sublayers.append(SwiGLU(d))
             self.norms.append(RMSNorm(d, cfg.norm_eps))
@@ -263,7 +277,7 @@ class Decoder(nn.Module):
         if isinstance(sub, DCMHAttention):
             return sub.reference_forward(h, rope=(cos, sin)) if use_reference else sub(h, rope=(cos, sin))
         if s % 2 == 0:
-            return sub(h, cos, sin)
+            return sub(h, cos, sin, use_reference)
         return sub(h)
 
     def _route(self, s: int, sources: list, use_reference: bool, residual: Optional[torch.Tensor] = None):
