@@ -13,6 +13,12 @@ float32 ``[B, Q, H]`` row norms computed in the merge's own pass. From them:
   of ``||Z_h[b, q] W_O(h)^T||``, the head's contribution in the model space, with the
   same layer normalization.
 
+Over a data set: :func:`collect_head_scores` runs a model whose attention layers merge
+heads through ``headwise.head_gating`` and accumulates both scores per layer and head
+(padding excluded by token masks) into a :class:`HeadScores`; :func:`quantile_masks`
+(their experimental rule) and :func:`threshold_masks` (a fixed tau) turn scores into hard
+masks.
+
 Neither score is a Bernoulli gate: they are measurements of the heads' outputs, and the
 thresholded mask they produce is a deterministic hard mask (``head_gate`` of 0/1). Both
 scores are computed from the head outputs themselves, so they cannot save the compute of
