@@ -295,6 +295,9 @@ def run(args, device: torch.device) -> int:
         print(f"pruning refused: {pruning['refused']}")
     else:
         t = pruning["step_ms"]
+        for i, (asked, done) in enumerate(zip(pruning["asked_masks"], pruning["pruned_masks"])):
+            print(f"layer {i}: mask asked {''.join(str(int(v)) for v in asked)}  "
+                  f"pruned {''.join(str(int(v)) for v in done)}")
         print(f"pruned {pruning['heads_pruned']} heads (GQA rule; asked {gates['heads_closed']}); pruned == masked: "
               f"logits rel diff "
               f"{pruning['logits_rel_diff']:.2e}; val loss every head open {pruning['val_loss_unmasked']:.3f}, masked "
