@@ -1,6 +1,7 @@
 """headwise.nn.DCMHAttention: the module against its reference composition, and its
 DCFormer initialization starting close to plain MHA."""
 
+import pytest
 import torch
 
 import headwise
@@ -8,21 +9,32 @@ from headwise import DCMHAWeights
 from headwise.testing import rel_err
 
 
-def composing_module():
+def composing_module(qk_norm=False):
     """A small DCMHAttention with larger generator weights than the init, so that the
-    composition matters, and its input."""
+    composition matters (and, with qk_norm, norm weights away from one), and its input."""
     torch.manual_seed(0)
-    m = headwise.nn.DCMHAttention(32, 4, window=6)
+    m = headwise.nn.DCMHAttention(32, 4, window=6, qk_norm=qk_norm)
     with torch.no_grad():
         m.qkw.normal_(0, 0.3)
         m.dd.normal_(0, 0.3)
+        if qk_norm:
+            m.q_norm.normal_(1, 0.2)
+            m.k_norm.normal_(1, 0.2)
     return m, torch.randn(2, 13, 32)
 
 
-def test_module_matches_reference_forward_and_grads():
-    m, x = composing_module()
-    y = m(x)
-    y_ref = m.reference_forward(x)
+def rope_tables(t, head_dim):
+    angles = torch.outer(torch.arange(t, dtype=torch.float32), 1e4 ** (-torch.arange(head_dim // 2) / (head_dim // 2)))
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm_rope"])
+def test_module_matches_reference_forward_and_grads(qk_norm):
+    m, x = composing_module(qk_norm)
+    rope = rope_tables(x.shape[1], m.head_dim) if qk_norm else None
+    y = m(x, rope=rope)
+    y_ref = m.reference_forward(x, rope=rope)
     assert rel_err(y, y_ref) <= 1e-5
     y.square().sum().backward()
     grads = {n: p.grad.clone() for n, p in m.named_parameters()}
@@ -30,6 +42,19 @@ def test_module_matches_reference_forward_and_grads():
     y_ref.square().sum().backward()
     for n, p in m.named_parameters():
         assert rel_err(grads[n], p.grad) <= 1e-4, n
+    if qk_norm:
+        assert grads["q_norm"].abs().max() > 0 and grads["k_norm"].abs().max() > 0
+
+
+def test_qk_norm_normalizes_each_head_of_q_and_k():
+    # With qk_norm the module's q and k are the per-head RMSNorms of the projections: scaling
+    # the q/k rows of the packed weight by a per-head constant leaves the output unchanged.
+    m, x = composing_module(qk_norm=True)
+    y = m(x)
+    with torch.no_grad():
+        rows = m.layout.num_q_heads * m.head_dim + m.layout.num_kv_heads * m.head_dim
+        m.qkv.weight[:rows] *= torch.linspace(0.5, 3.0, rows // m.head_dim).repeat_interleave(m.head_dim)[:, None]
+    assert rel_err(m(x), y) <= 1e-5
 
 
 def test_init_starts_close_to_plain_mha():

@@ -18,7 +18,7 @@ TOL = 2.5e-6
 
 # variant -> (residual, routing_impl, num_blocks)
 VARIANTS = {"per_call": ("mhar", "per_call", None), "buffer": ("mhar", "buffer", None),
-            "block_mhar": ("block_mhar", "per_call", 2)}
+            "block_attnres": ("block_attnres", "per_call", 2), "block_mhar": ("block_mhar", "per_call", 2)}
 
 
 def make_model(variant):

@@ -2,9 +2,9 @@
 
 Pre-norm RMSNorm blocks, grouped-query attention with per-head q/k RMSNorm and rotary
 embeddings (rotate-half, theta 1e4), SwiGLU MLPs; with attention="dcmha" each attention
-sublayer is a headwise.nn.DCMHAttention instead (fused QKV with the rotary embedding in
-its epilogue, dynamically composed heads, fused two-pass attention, head merge; full
-heads, no q/k norm). Sublayers s = 0 .. 2L-1 alternate attention and MLP; f_s(.) is
+sublayer is a headwise.nn.DCMHAttention instead (fused QKV with the same per-head q/k
+RMSNorm and rotary embedding in its epilogue, dynamically composed heads, fused two-pass
+attention, head merge; full heads). Sublayers s = 0 .. 2L-1 alternate attention and MLP; f_s(.) is
 sublayer s applied to its pre-norm, route_s is routing site s (a headwise.nn.MHARRouter,
 zero-initialized query: a uniform average of its sources). The residual stream is one of:
 
@@ -246,8 +246,8 @@ class Decoder(nn.Module):
         self.sublayers = nn.ModuleList()
         self.norms = nn.ModuleList()
         for _ in range(cfg.n_layers):
-            self.sublayers.append(DCMHAttention(d, cfg.n_heads, ops=self._ops) if cfg.attention == "dcmha"
-                                  else Attention(cfg, ops=self._ops))
+            self.sublayers.append(DCMHAttention(d, cfg.n_heads, qk_norm=True, norm_eps=cfg.norm_eps, ops=self._ops)
+                                  if cfg.attention == "dcmha" else Attention(cfg, ops=self._ops))
             self.norms.append(RMSNorm(d, cfg.norm_eps))
             self.sublayers.append(SwiGLU(d))
             self.norms.append(RMSNorm(d, cfg.norm_eps))

@@ -23,12 +23,17 @@ class DCMHAttention(nn.Module):
     The generator parameters are initialized as DCFormer does, so that a new module is
     close to plain MHA: ``dw1 [D, 4, Kh]`` with std ``sqrt(2 / (D + Kh))``,
     ``qkw [4, Kh, 2R, H]`` with std ``0.02 / (sqrt(4H) (H + 2))``, ``dd [D, 4H]`` with
-    std ``0.005 sqrt(2 / (D + H))`` (Kh = 4H, R = 2).
+    std ``0.005 sqrt(2 / (D + H))`` (Kh = 4H, R = 2). The ``dd`` init follows DCFormer's
+    JAX code; its PyTorch file uses 0.05 instead of 0.005.
+
+    ``qk_norm=True`` adds Qwen3-style per-head RMSNorms of q and k (weights ``q_norm``,
+    ``k_norm`` ``[head_dim]``, ones-init, statistic in fp32 with ``norm_eps``), applied in
+    the QKV epilogue before the rotary embedding, as the decoder's ``mha`` layer does.
     """
 
     def __init__(self, d_model: int, num_heads: int, head_dim: Optional[int] = None, *, causal: bool = True,
                  window: Optional[int] = None, head_groups: int = 1, bias: bool = False,
-                 ops: Optional[Ops] = None):
+                 qk_norm: bool = False, norm_eps: float = 1e-6, ops: Optional[Ops] = None):
         super().__init__()
         head_dim = d_model // num_heads if head_dim is None else head_dim
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, head_dim
@@ -37,6 +42,9 @@ class DCMHAttention(nn.Module):
         self.layout = QKVLayout(num_heads, num_heads, head_dim)
         self.qkv = nn.Linear(d_model, self.layout.num_rows, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, d_model, bias=bias)
+        self.norm_eps = norm_eps
+        self.q_norm = nn.Parameter(torch.ones(head_dim)) if qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(head_dim)) if qk_norm else None
         kh = hidden_size(num_heads)
         self.dw1 = nn.Parameter(torch.empty(d_model, 4, kh))
         self.qkw = nn.Parameter(torch.empty(4, kh, 2 * RANK, num_heads))
@@ -56,7 +64,8 @@ class DCMHAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: Optional[DCMHAWeights] = None, *, rope=None) -> torch.Tensor:
         """``rope=(cos, sin)`` (each ``[T, head_dim]``) rotates q and k in the QKV epilogue."""
-        q, k, v = self.ops.qkv_project(x, self.qkv.weight, self.qkv.bias, layout=self.layout, rope=rope)
+        q, k, v = self.ops.qkv_project(x, self.qkv.weight, self.qkv.bias, layout=self.layout, q_norm=self.q_norm,
+                                       k_norm=self.k_norm, norm_eps=self.norm_eps, rope=rope)
         w = self.compose_weights(x) if weights is None else weights
         o = self.ops.dcmha_attention(q, k, v, w, causal=self.causal, window=self.window,
                                      head_groups=self.head_groups)
@@ -66,7 +75,8 @@ class DCMHAttention(nn.Module):
         """The same function through ``headwise.reference`` only (the test oracle)."""
         from .. import reference
 
-        q, k, v = reference.qkv_project(x, self.qkv.weight, self.qkv.bias, layout=self.layout, rope=rope)
+        q, k, v = reference.qkv_project(x, self.qkv.weight, self.qkv.bias, layout=self.layout, q_norm=self.q_norm,
+                                        k_norm=self.k_norm, norm_eps=self.norm_eps, rope=rope)
         w = reference.dcmha_weights(x, self.dw1, self.qkw, self.dd)
         o = reference.dcmha_attention(q, k, v, w, causal=self.causal, window=self.window,
                                       head_groups=self.head_groups)
