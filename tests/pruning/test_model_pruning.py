@@ -289,3 +289,15 @@ def test_gate_masks_read_the_deterministic_gates():
         gates[0].pi.copy_(torch.tensor([1.0, -1.0, 0.5, -0.1]))
     set_head_gates(model, [gates[0], HeadMask(torch.tensor([0.0, 1, 1, 1]))])
     assert [m.tolist() for m in gate_masks(model)] == [[1, 0, 1, 0], [0, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_pruned_hf_model_runs_unpatched(kind):
+    # Pruning leaves a plain transformers model (smaller q/k/v/o_proj, num_key_value_groups
+    # per layer): the original attention forwards compute the same logits.
+    model = hf_model(kind)
+    prune_model_heads(model, torch.tensor([[1.0, 0, 1, 0], [0, 0, 1, 1]]))
+    tokens = tokens_of()
+    pruned = logits_of(model, tokens)
+    assert headwise.integrations.unpatch_hf_attention(model) == 2
+    assert rel_err(logits_of(model, tokens), pruned) <= TOL
