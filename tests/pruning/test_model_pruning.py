@@ -98,6 +98,19 @@ def test_the_model_trains_its_gates(name):
         assert g.pi.grad is not None and torch.isfinite(g.pi.grad).all() and (g.pi.grad != 0).all()
 
 
+def test_per_row_gates_sample_each_batch_row():
+    model = tiny_decoder()
+    gates = add_head_gates(model, init=0.0, per_row=True, generator=torch.Generator().manual_seed(0))
+    seen = []
+    for layer in attention_layers(model):
+        layer.register_forward_pre_hook(lambda mod, args: seen.append(mod.head_gate(args[0].shape[0])))
+    tokens = tokens_of(b=16)
+    model.train()
+    logits_of(model, tokens).square().mean().backward()
+    assert seen[0].shape == (16, 4) and not torch.equal(seen[0], seen[0][:1].expand_as(seen[0]))
+    assert all(torch.isfinite(g.pi.grad).all() for g in gates)
+
+
 def test_decoder_reference_forward_applies_the_gate_too():
     model = tiny_decoder()
     set_head_masks(model, torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 1]]), rescale=True)
@@ -176,7 +189,8 @@ def test_collected_scores_equal_explicit_per_head_norms_with_padding():
             assert rel_err(scores.circuit[i], out_sum / scores.tokens) <= 1e-5
             ln = scores.get("ahon")[i]
             assert rel_err(ln, (z_sum / z_sum.mean()).float()) <= 1e-5
-    assert model.training  # the collector restores the mode
+    assert model.training  # the collector restores the mode and the sinks
+    assert all(layer.head_stats_sink is None for layer in attention_layers(model))
 
 
 def test_collector_reads_hf_attention_masks():
