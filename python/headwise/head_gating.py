@@ -1,7 +1,7 @@
 """Head gates and head-merge statistics inside models: the attention layers of
-``headwise.models.Decoder`` (``attention="mha"``) and of a ``transformers`` model patched
-by :func:`headwise.integrations.patch_hf_attention` merge their heads through
-:func:`merge_heads`, which reads two per-layer slots of the attention module:
+``headwise.models.Decoder`` (``attention="mha"`` and ``"dcmha"``), ``nn.DCMHAttention`` and
+a ``transformers`` model patched by :func:`headwise.integrations.patch_hf_attention`
+merge their heads through :func:`merge_heads`, which reads two per-layer slots of the attention module:
 
 - ``head_gate``: ``None`` (all heads, no gate) or a module called as
   ``head_gate(batch_size) -> [H] or [B, H]`` with a ``rescale`` attribute: a learned
@@ -23,12 +23,13 @@ masks of the gates in place (what a pruning would keep).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from .nn.head_gate import HeadGate
+if TYPE_CHECKING:  # imported where used: headwise.nn's modules import this module
+    from .nn.head_gate import HeadGate
 
 __all__ = [
     "HeadMask",
@@ -80,17 +81,21 @@ def _layers_or_raise(model: nn.Module, fn: str) -> List[nn.Module]:
     layers = attention_layers(model)
     if not layers:
         raise ValueError(
-            f"headwise.{fn}: the model has no gateable attention layers (a headwise.models.Decoder with "
-            "attention='mha', or a transformers model after headwise.integrations.patch_hf_attention)")
+            f"headwise.{fn}: the model has no gateable attention layers (a headwise.models.Decoder, "
+            "headwise.nn.DCMHAttention, or a transformers model after headwise.integrations.patch_hf_attention)")
     return layers
 
 
 def head_counts(module: nn.Module) -> Tuple[int, int, int]:
-    """``(num_q_heads, num_kv_heads, head_dim)`` of a gateable attention module."""
+    """``(num_q_heads, num_kv_heads, head_dim)`` of a gateable attention module: a patched
+    transformers attention (its layout), the decoder's ``Attention`` (``n_heads``,
+    ``n_kv``) or ``nn.DCMHAttention`` (``num_heads`` full heads)."""
     layout = getattr(module, "_headwise_layout", None)
     if layout is not None:
         return layout.num_q_heads, layout.num_kv_heads, layout.head_dim
-    return module.n_heads, module.n_kv, module.head_dim
+    if hasattr(module, "n_heads"):
+        return module.n_heads, module.n_kv, module.head_dim
+    return module.num_heads, module.num_heads, module.head_dim
 
 
 def merge_heads(module: nn.Module, merge: Callable, z: torch.Tensor, weight_o: torch.Tensor,
@@ -180,6 +185,8 @@ def add_head_gates(model: nn.Module, **gate_kwargs) -> List[HeadGate]:
     """A new :class:`headwise.nn.HeadGate` (``gate_kwargs``: init, temperature, per_row,
     distribution, rescale, generator) in every attention layer, on the layer's device;
     returns them (their ``pi`` are parameters of the model from now on)."""
+    from .nn.head_gate import HeadGate
+
     layers = _layers_or_raise(model, "add_head_gates")
     gates = [HeadGate(head_counts(layer)[0], **gate_kwargs).to(layer.o_proj.weight.device) for layer in layers]
     set_head_gates(model, gates)
@@ -196,6 +203,8 @@ def gate_masks(model: nn.Module) -> List[torch.Tensor]:
     """Per layer, the deterministic 0/1 mask ``[H]`` (float32, CPU) of the gate in place:
     a :class:`HeadGate`'s open heads (``pi > 0`` for BinConcrete; a nonzero test-time gate
     for Hard-Concrete), a :class:`HeadMask`'s mask, all ones without a gate."""
+    from .nn.head_gate import HeadGate
+
     masks = []
     for layer in _layers_or_raise(model, "gate_masks"):
         gate = layer.head_gate

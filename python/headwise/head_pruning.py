@@ -1,6 +1,8 @@
 """From a hard head mask to a physically smaller model: :func:`prune_heads` applied to
 every attention layer of a ``headwise.models.Decoder`` (``attention="mha"``) or of a
-``transformers`` model patched by :func:`headwise.integrations.patch_hf_attention`.
+``transformers`` model patched by :func:`headwise.integrations.patch_hf_attention`
+(``nn.DCMHAttention`` layers take gates and masks but are refused here: its compose
+weights mix the heads of a group).
 
 ``prune_model_heads(model, masks, rescale=...)`` takes one shared mask ``[H]`` per layer
 (0 = remove the head; not per batch row). Per layer:
@@ -113,6 +115,11 @@ def prune_model_heads(model: nn.Module, masks: Union[torch.Tensor, Sequence[torc
     prunable mask closes every head."""
     fn = "prune_model_heads"
     layers = _layers_or_raise(model, fn)
+    for i, layer in enumerate(layers):
+        if not all(isinstance(getattr(layer, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            raise TypeError(f"headwise.{fn}: attention layer {i} ({type(layer).__name__}) has no separate q/k/v/o "
+                            "projections to prune (DCMHA's compose weights mix the heads of a group); nothing was "
+                            "changed")
     asked = _as_layer_masks(masks, layers, fn)
     if priority is not None:
         prio_rows = list(priority.unbind(0)) if isinstance(priority, torch.Tensor) and priority.dim() == 2 \

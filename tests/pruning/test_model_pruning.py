@@ -20,10 +20,10 @@ from headwise.testing import rel_err
 TOL = 2e-5
 
 
-def tiny_decoder(n_heads=4, n_kv_heads=2, n_layers=2, seed=0, ops=None):
+def tiny_decoder(n_heads=4, n_kv_heads=2, n_layers=2, seed=0, ops=None, attention="mha"):
     torch.manual_seed(seed)
     cfg = DecoderConfig(vocab_size=61, d_model=48, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                        residual="residual")
+                        residual="residual", attention=attention)
     return Decoder(cfg, ops=ops)
 
 
@@ -60,9 +60,12 @@ def same_state(a, b):
 
 
 MODELS = ["decoder_mha", "decoder_gqa", "llama", "qwen3"]
+GATED_MODELS = MODELS + ["decoder_dcmha"]  # DCMHA layers take gates and masks, not pruning
 
 
 def build(name, seed=0):
+    if name == "decoder_dcmha":
+        return tiny_decoder(n_heads=4, n_kv_heads=4, seed=seed, attention="dcmha")
     if name == "decoder_mha":
         return tiny_decoder(n_heads=4, n_kv_heads=4, seed=seed)
     if name == "decoder_gqa":
@@ -73,7 +76,7 @@ def build(name, seed=0):
 # -- gates in models ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", GATED_MODELS)
 def test_large_pi_gated_model_equals_the_ungated_one(name):
     model = build(name)
     tokens = tokens_of()
@@ -85,7 +88,7 @@ def test_large_pi_gated_model_equals_the_ungated_one(name):
     assert rel_err(got, want) <= TOL
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", GATED_MODELS)
 def test_the_model_trains_its_gates(name):
     model = build(name)
     gates = add_head_gates(model, init=0.0, generator=torch.Generator().manual_seed(0))
@@ -111,8 +114,9 @@ def test_per_row_gates_sample_each_batch_row():
     assert all(torch.isfinite(g.pi.grad).all() for g in gates)
 
 
-def test_decoder_reference_forward_applies_the_gate_too():
-    model = tiny_decoder()
+@pytest.mark.parametrize("attention", ["mha", "dcmha"])
+def test_decoder_reference_forward_applies_the_gate_too(attention):
+    model = tiny_decoder(n_kv_heads=4 if attention == "dcmha" else 2, attention=attention)
     set_head_masks(model, torch.tensor([[1.0, 0, 1, 1], [0, 0, 1, 1]]), rescale=True)
     tokens = tokens_of()
     assert rel_err(model(tokens), model.reference_forward(tokens)) <= TOL
@@ -315,3 +319,13 @@ def test_a_pruned_hf_model_runs_unpatched(kind):
     pruned = logits_of(model, tokens)
     assert headwise.integrations.unpatch_hf_attention(model) == 2
     assert rel_err(logits_of(model, tokens), pruned) <= TOL
+
+
+def test_dcmha_layers_collect_scores_but_refuse_pruning():
+    model = build("decoder_dcmha")
+    scores = collect_head_scores(model, [tokens_of()])
+    assert scores.ahon.shape == (2, 4) and (scores.ahon > 0).all() and (scores.circuit > 0).all()
+    before = state(model)
+    with pytest.raises(TypeError, match=r"attention layer 0 \(DCMHAttention\) has no separate q/k/v/o"):
+        prune_model_heads(model, torch.tensor([[1.0, 0, 1, 1], [1, 1, 1, 1]]))
+    assert same_state(state(model), before)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..dcmha import RANK, DCMHAWeights, hidden_size
+from ..head_gating import GATED_ATTENTION, merge_heads
 from ..ops import DEFAULT_OPS, Ops
 from ..qkv_layout import QKVLayout
 
@@ -29,6 +30,11 @@ class DCMHAttention(nn.Module):
     ``qk_norm=True`` adds Qwen3-style per-head RMSNorms of q and k (weights ``q_norm``,
     ``k_norm`` ``[head_dim]``, ones-init, statistic in fp32 with ``norm_eps``), applied in
     the QKV epilogue before the rotary embedding, as the decoder's ``mha`` layer does.
+
+    The merge reads the ``head_gate`` and ``head_stats_sink`` slots of
+    ``headwise.head_gating`` (learned gates, hard masks, score collection on the composed
+    heads' outputs). Physical pruning (``headwise.prune_model_heads``) refuses this module:
+    the compose weights mix every head of a group.
     """
 
     def __init__(self, d_model: int, num_heads: int, head_dim: Optional[int] = None, *, causal: bool = True,
@@ -49,6 +55,9 @@ class DCMHAttention(nn.Module):
         self.dw1 = nn.Parameter(torch.empty(d_model, 4, kh))
         self.qkw = nn.Parameter(torch.empty(4, kh, 2 * RANK, num_heads))
         self.dd = nn.Parameter(torch.empty(d_model, 4 * num_heads))
+        self.head_gate: Optional[nn.Module] = None
+        self.head_stats_sink = None
+        setattr(self, GATED_ATTENTION, True)
         self.reset_dcmha_parameters()
 
     def reset_dcmha_parameters(self) -> None:
@@ -69,7 +78,7 @@ class DCMHAttention(nn.Module):
         w = self.compose_weights(x) if weights is None else weights
         o = self.ops.dcmha_attention(q, k, v, w, causal=self.causal, window=self.window,
                                      head_groups=self.head_groups)
-        return self.ops.head_merge(o, self.o_proj.weight, self.o_proj.bias)
+        return merge_heads(self, self.ops.head_merge, o, self.o_proj.weight, self.o_proj.bias)
 
     def reference_forward(self, x: torch.Tensor, *, rope=None) -> torch.Tensor:
         """The same function through ``headwise.reference`` only (the test oracle)."""
@@ -80,4 +89,4 @@ class DCMHAttention(nn.Module):
         w = reference.dcmha_weights(x, self.dw1, self.qkw, self.dd)
         o = reference.dcmha_attention(q, k, v, w, causal=self.causal, window=self.window,
                                       head_groups=self.head_groups)
-        return reference.head_merge(o, self.o_proj.weight, self.o_proj.bias)
+        return merge_heads(self, reference.head_merge, o, self.o_proj.weight, self.o_proj.bias)
