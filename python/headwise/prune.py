@@ -272,10 +272,15 @@ def run(args, device: torch.device) -> int:
     print(f"headwise.prune: {len(data):,} bytes; d={args.d_model} L={args.layers} H={args.heads} "
           f"H_kv={args.kv_heads} T={args.seq} B={args.batch} on {device}", file=sys.stderr)
     model, base = base_model(args, lm, out, device)
+    # Each stage draws its training batches from its own seed, so that a run reusing the
+    # base checkpoint measures exactly what the run that trained it did.
+    lm.gen.manual_seed(args.seed + 1)
     print("(a) validation loss per fraction of heads removed:", file=sys.stderr)
     masks = mask_sweep(model, lm, args)
+    lm.gen.manual_seed(args.seed + 2)
     print("(b) L0 gates:", file=sys.stderr)
     gates = gate_training(model, lm, args)
+    lm.gen.manual_seed(args.seed + 3)
     print("(c) pruning and step timing:", file=sys.stderr)
     pruning = prune_and_time(model, lm, args, device)
     summary = {

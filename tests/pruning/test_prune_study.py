@@ -1,5 +1,5 @@
 """python -m headwise.prune --quick: every stage runs and writes the summary and the plot;
-a second run reuses the saved base model."""
+a second run reuses the saved base model and measures the same scores, losses and gates."""
 
 import json
 
@@ -31,6 +31,9 @@ def test_quick_run_writes_json_and_png_and_reuses_the_checkpoint(tmp_path):
     assert prune.main(["--quick", "--out", str(second)]) == 0
     again = json.loads((second / "prune.json").read_text())
     assert again["base"]["reused"] and again["base"]["val_loss"] == summary["base"]["val_loss"]
+    # every stage seeds its own batches: reusing the checkpoint measures the same things
+    assert again["masks"] == summary["masks"]
+    assert again["gates"]["pi"] == summary["gates"]["pi"] and again["gates"]["curve"] == summary["gates"]["curve"]
     pytest.importorskip("matplotlib")
     assert (tmp_path / "prune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
