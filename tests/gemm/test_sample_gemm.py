@@ -69,6 +69,13 @@ def test_sample_gemm_empty_shapes():
     assert torch.equal(out, torch.zeros(3, 5, dtype=torch.bfloat16))
 
 
+def test_sample_gemm_opcheck():
+    """Schema, fake (meta) kernel and dispatch of the emulated op agree."""
+    a = torch.randn(37, 24).to(torch.bfloat16)
+    b = torch.randn(19, 24).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.headwise_sim.sample_gemm, (a, b))
+
+
 def test_sample_gemm_checks_name_the_argument():
     op = torch.ops.headwise_sim.sample_gemm
     a = torch.ones(4, 8, dtype=torch.bfloat16)

@@ -43,6 +43,9 @@
 
 #if !defined(__CUDACC__)
 
+#if __has_include("simt_metrics.h")
+#include "simt_metrics.h"  // the emulator's per-launch counters (HW_SIM_NOTE)
+#endif
 #ifndef HW_SIM_NOTE
 #define HW_SIM_NOTE(kind, n) ((void)0)
 #endif

@@ -232,6 +232,7 @@ struct LaunchCtx {
 };
 
 struct Runner;
+
 // The co-resident CTAs of one cluster and its barrier.cluster state.
 struct ClusterCtx {
   Runner* cta[kMaxClusterCtas];  // by %cluster_ctarank
@@ -240,7 +241,6 @@ struct ClusterCtx {
   int arrived = 0;
 };
 
-struct Runner;
 HW_SIM_HIDDEN __thread Runner* tl_runner = nullptr;
 
 size_t page_size() {
@@ -766,15 +766,17 @@ std::string cluster_deadlock_message(const ClusterCtx& C) {
                     std::to_string(C.ctas) + " CTAs";
   for (int r = 0; r < C.ctas; ++r) {
     const Runner& R = *C.cta[r];
-    std::vector<bool> done(static_cast<size_t>(R.n), false);
+    std::vector<std::string> where(static_cast<size_t>(R.n));  // empty: at the cluster barrier
+    for (int t = 0; t < R.n; ++t)
+      if (R.fibers[t].state != kAtCluster) where[t] = R.waiting_at(t);
     for (int t = 0; t < R.n; ++t) {
-      if (done[t] || R.fibers[t].state == kAtCluster) continue;
-      const std::string what = R.waiting_at(t);
+      if (where[t].empty()) continue;
+      const std::string what = where[t];
       std::vector<int> threads;
       for (int u = t; u < R.n; ++u)
-        if (!done[u] && R.fibers[u].state != kAtCluster && R.waiting_at(u) == what) {
+        if (where[u] == what) {
           threads.push_back(u);
-          done[u] = true;
+          where[u].clear();
         }
       msg += "; CTA rank " + std::to_string(r) + " (block " + dim_str(R.block_idx) + "): thread" +
              (threads.size() > 1 ? "s " : " ") + range_list(threads) + " " + what +
