@@ -16,7 +16,7 @@
 //   hw::cp_async_wait<N>()             cp.async.wait_group N (all but the N newest groups landed)
 //   hw::cp_async_wait_all()            cp.async.wait_all
 // A cp.async is visible to the issuing thread after its wait, to the block's other threads
-// after a __syncthreads that follows the wait. Shared operands must lie in the dynamic
+// after a __syncthreads that follows the wait (to its warp's lanes after a __syncwarp). Shared operands must lie in the dynamic
 // shared memory (hw::dynamic_shared_memory()): that is the buffer the emulator checks.
 #pragma once
 

@@ -30,8 +30,8 @@
 // Checks (hw_sim::SimtError naming the instruction, where a GPU faults or is undefined):
 // mma.sync and ldmatrix need a full, converged warp (all 32 lanes at the same instruction);
 // ldmatrix row addresses must be 16-byte aligned and inside the block's dynamic shared
-// memory, and must not read a cp.async destination before it landed and a __syncthreads
-// published it; cp.async sizes, alignment (both addresses to cp-size) and state spaces
+// memory, and must not read a cp.async destination before it landed and a barrier
+// (__syncthreads, a __syncwarp of the copying lanes, or the cluster barrier) published it; cp.async sizes, alignment (both addresses to cp-size) and state spaces
 // (shared destination in the dynamic shared memory, global source outside it).
 //
 // Metrics: HW_SIM_NOTE(kind, n) (the emulator's per-launch counters when the metrics
