@@ -3,12 +3,14 @@
 #
 # The one prepared check for a machine with an NVIDIA GPU and no network (SPEC section 6):
 # builds headwise in place against that machine's torch (sm_90 + PTX, ptxas reports kept),
-# runs the CUDA tests, compute-sanitizer memcheck and racecheck on small cases, then the
+# runs the primitive self-tests (mma.sync / ldmatrix / cp.async / cluster lane maps: the
+# only check of the emulator's fragment maps against real hardware) and the sample GEMM,
+# the other CUDA tests, compute-sanitizer memcheck and racecheck on small cases, then the
 # GPU benchmarks. Each stage has its own time limit, cut further by what is left of one
 # 9-minute budget for the whole script (a stage with under 15 s left is skipped); a
 # failing stage is reported and the next one still runs. Everything lands in
 # RESULTS_DIR (default ./device_results): device_check.log, build.log, ptxas.txt,
-# cuda_tests.xml, sanitizer_*.log, bench_{mhar,qkv,merge,dcmha}.json.
+# primitive_tests.xml, cuda_tests.xml, sanitizer_*.log, bench_{mhar,qkv,merge,dcmha}.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-device_results}
@@ -46,9 +48,23 @@ else
 fi
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 
-stage "CUDA tests"
+PRIMITIVE_TESTS="simt/test_primitives.py gemm/test_sample_gemm.py"
+stage "primitive self-tests and sample GEMM on the GPU (lane maps against the hardware)"
 cd tests
-run_capped 120 "cuda tests" $PY -m pytest -q -ra -k cuda --junitxml="$OUT_DIR/cuda_tests.xml" .
+run_capped 60 "primitive tests" $PY -m pytest -q -ra -k cuda --junitxml="$OUT_DIR/primitive_tests.xml" \
+  $PRIMITIVE_TESTS
+run_capped 20 "sample gemm timing" $PY -c "
+import torch, headwise
+a = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16); b = torch.randn_like(a)
+for name, f in [('headwise.sample_gemm', lambda: torch.ops.headwise.sample_gemm(a, b)), ('torch.mm', lambda: a @ b.t())]:
+    f(); torch.cuda.synchronize(); s, e = torch.cuda.Event(True), torch.cuda.Event(True); s.record()
+    for _ in range(20): f()
+    e.record(); torch.cuda.synchronize(); ms = s.elapsed_time(e) / 20
+    print(f'{name:22s} 4096^3 bf16: {ms:.3f} ms, {2 * 4096**3 / ms / 1e9:.0f} TFLOP/s')"
+
+stage "CUDA tests"
+run_capped 120 "cuda tests" $PY -m pytest -q -ra -k cuda --junitxml="$OUT_DIR/cuda_tests.xml" \
+  $(for t in $PRIMITIVE_TESTS; do echo "--ignore=$t"; done) .
 cd ..
 
 stage "compute-sanitizer memcheck + racecheck (small cases)"

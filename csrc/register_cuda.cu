@@ -1,5 +1,6 @@
 // CUDA implementations of torch.ops.headwise.
 #include "dcmha/dcmha_ops.h"
+#include "gemm/gemm_ops.h"
 #include "merge/merge_ops.h"
 #include "mhar/mhar_ops.h"
 #include "qkv/qkv_ops.h"
@@ -18,4 +19,5 @@ TORCH_LIBRARY_IMPL(headwise, CUDA, m) {
   m.impl("dcmha_compose_backward", &headwise::dcmha::compose_backward_cuda);
   m.impl("dcmha_attention", &headwise::dcmha::attention_cuda);
   m.impl("dcmha_attention_backward", &headwise::dcmha::attention_backward_cuda);
+  m.impl("sample_gemm", &headwise::gemm::sample_gemm_cuda);
 }

@@ -2,6 +2,7 @@
 // registered as torch.ops.headwise_sim with the schemas of torch.ops.headwise.
 #include "common/simt/simt.h"
 #include "dcmha/dcmha_ops.h"
+#include "gemm/gemm_ops.h"
 #include "merge/merge_ops.h"
 #include "mhar/mhar_ops.h"
 #include "qkv/qkv_ops.h"
@@ -34,4 +35,5 @@ TORCH_LIBRARY_IMPL(headwise_sim, CPU, m) {
   m.impl("dcmha_compose_backward", &headwise::dcmha::compose_backward_sim);
   m.impl("dcmha_attention", &headwise::dcmha::attention_sim);
   m.impl("dcmha_attention_backward", &headwise::dcmha::attention_backward_sim);
+  m.impl("sample_gemm", &headwise::gemm::sample_gemm_sim);
 }

@@ -73,6 +73,9 @@ inline void define_schemas(torch::Library& m) {
       "Tensor g, Tensor stats, bool causal, int window, float scale, int head_groups) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
       tags);
+  // Sample tensor-core GEMM (csrc/gemm): c [M, N] = a [M, K] @ b [N, K]^T, bf16 / f16,
+  // fp32 accumulation. CUDA and emulated backends only.
+  m.def("sample_gemm(Tensor a, Tensor b) -> Tensor", tags);
 }
 
 }  // namespace headwise

@@ -533,11 +533,20 @@ class Ops:
         return out
 
 
+def _register_sample_gemm(ns: str) -> None:
+    """The sample tensor-core GEMM (csrc/gemm): c [M, N] = a [M, K] @ b [N, K]^T."""
+
+    @torch.library.register_fake(f"{ns}::sample_gemm")
+    def _(a, b):
+        return a.new_empty((a.shape[0], b.shape[0]))
+
+
 for _ns in LIBRARIES:
     _register(_ns)
     _register_qkv(_ns)
     _register_merge(_ns)
     _register_dcmha(_ns)
+    _register_sample_gemm(_ns)
 
 DEFAULT_OPS = Ops("headwise")  # what modules use when no backend is given
 mhar_route = DEFAULT_OPS.mhar_route

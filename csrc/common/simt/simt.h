@@ -25,6 +25,7 @@
 #include <functional>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #define HW_SIM_EMULATION 1
@@ -143,6 +144,13 @@ using ParallelFor = void (*)(int64_t begin, int64_t end,
                              const std::function<void(int64_t, int64_t)>& fn);
 void set_parallel_for(ParallelFor);  // nullptr restores the sequential default
 
+// launch() with thread block clusters (sm_90): grid must be a multiple of `cluster` in
+// every dimension, at most 8 CTAs per cluster. The CTAs of one cluster are co-resident:
+// they run interleaved on one OS thread, so a cluster barrier waits for all of them, and
+// each can read and write the others' dynamic shared memory (detail::cluster_map_shared).
+void launch_cluster(const char* kernel_name, dim3 grid, dim3 block, dim3 cluster, size_t dynamic_smem_bytes,
+                    const std::function<void()>& body);
+
 // Current block's dynamic shared memory: 128-byte aligned, sized by the launch,
 // filled with 0xFF at block start. nullptr outside a kernel.
 unsigned char* dynamic_shared_memory();
@@ -161,6 +169,8 @@ enum CollKind : int {
   kWmmaLoad,
   kWmmaStore,
   kWmmaMma,
+  kMmaSync,   // warp_op: mma.sync.aligned (primitives.h)
+  kLdmatrix,  // warp_op: ldmatrix.sync.aligned (primitives.h)
 };
 // op: 0 = __syncthreads, 1 = _count, 2 = _and, 3 = _or
 int block_barrier(int op, int pred);
@@ -174,6 +184,33 @@ unsigned active_mask();
 [[noreturn]] void trap();
 long long clock_now();
 void yield_thread();  // let the block's other threads run (used by __nanosleep)
+
+// --- Emulated GPU primitives (implementations of primitives.h; see README.md) ---
+// A `.sync.aligned` warp operation: every lane of a full warp (32 threads) posts pointers
+// to its operands and results; when the last lane arrives, fn runs once with all lanes'
+// pointers in lane order and writes every lane's results. kind is kMmaSync or kLdmatrix
+// and name (the instruction, for errors); lanes calling different fns are a divergent warp.
+using WarpOpFn = void (*)(const void* const* lane_in, void* const* lane_out);
+void warp_op(int kind, const char* name, WarpOpFn fn, const void* in, void* out);
+// Throws SimtError "headwise sim: kernel 'k' block (..) thread (..): <what>".
+[[noreturn]] void device_error(const std::string& what);
+// True when [p, p + bytes) lies in the current block's dynamic shared memory.
+bool in_shared_window(const void* p, size_t bytes);
+// For shared-memory reads by ldmatrix: fails when a byte of [p, p + bytes) is the
+// destination of a cp.async that has not landed, or that landed without a __syncthreads
+// since (other threads may not see it yet). `who` names the reading instruction.
+void check_async_copies_visible(const void* p, size_t bytes, const char* who);
+// cp.async of cp_size bytes (4, 8, 16; 16 only for .cg) from global src to shared dst,
+// src_size bytes copied and the rest zero-filled. The destination reads as 0xFF poison
+// until the issuing thread's cp.async.wait_group retires the copy's group.
+void cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size, bool cache_global);
+void cp_async_commit_group();
+void cp_async_wait_group(int pending_groups_allowed);
+// Thread block clusters (a launch without a cluster shape is a cluster of one CTA).
+unsigned cluster_ctarank();   // x + y*cx + z*cx*cy of this CTA in its cluster
+unsigned cluster_num_ctas();  // cx * cy * cz
+void cluster_barrier();       // barrier.cluster.arrive + wait of every thread of the cluster
+void* cluster_map_shared(const void* p, unsigned rank);  // mapa: p's place in CTA `rank`
 }  // namespace detail
 }  // namespace hw_sim
 
@@ -521,5 +558,6 @@ inline long long clock64() { return hw_sim::detail::clock_now(); }
 inline void __nanosleep(unsigned) { hw_sim::detail::yield_thread(); }
 
 #include "wmma.h"
+#include "primitives.h"
 
 #endif  // !defined(__CUDACC__)

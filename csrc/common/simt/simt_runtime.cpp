@@ -172,7 +172,8 @@ namespace {
 constexpr int kMaxThreads = 1024;
 constexpr int kMaxWarps = kMaxThreads / 32;
 
-enum FiberState : unsigned char { kReady, kRunning, kAtBarrier, kAtWarp, kExited };
+constexpr int kMaxClusterCtas = 8;  // the portable cluster size limit
+enum FiberState : unsigned char { kReady, kRunning, kAtBarrier, kAtWarp, kAtCluster, kExited };
 
 struct Ctx {
 #if HW_SIM_CTX_ASM
@@ -204,6 +205,21 @@ struct Fiber {
   // Result written at release time.
   alignas(16) unsigned char res[16];
   unsigned res_u = 0;
+  // Posted warp_op (mma.sync / ldmatrix): the lane's operands and results.
+  WarpOpFn op_fn = nullptr;
+  const char* op_name = nullptr;  // the instruction, e.g. "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
+  const void* op_in = nullptr;
+  void* op_out = nullptr;
+  // cp.async copies issued by this thread and not yet retired by a wait, in issue order;
+  // group -1 until cp.async.commit_group closes the group they belong to.
+  struct AsyncCopy {
+    unsigned char* dst;
+    const unsigned char* src;
+    unsigned cp_size, src_size;
+    int group;
+  };
+  std::vector<AsyncCopy> async_copies;
+  int async_groups_committed = 0;
 };
 
 struct LaunchCtx {
@@ -212,9 +228,19 @@ struct LaunchCtx {
   size_t smem;
   int nthreads;
   const std::function<void()>* body;
+  dim3 cluster;  // (1,1,1) for a launch without clusters
 };
 
 struct Runner;
+
+// The co-resident CTAs of one cluster and its barrier.cluster state.
+struct ClusterCtx {
+  Runner* cta[kMaxClusterCtas];  // by %cluster_ctarank
+  int ctas = 0;
+  int threads = 0;  // threads of all its CTAs: the barrier's arrival count
+  int arrived = 0;
+};
+
 HW_SIM_HIDDEN __thread Runner* tl_runner = nullptr;
 
 size_t page_size() {
@@ -273,9 +299,14 @@ const char* kind_name(int k) {
     case kWmmaLoad: return "wmma::load_matrix_sync";
     case kWmmaStore: return "wmma::store_matrix_sync";
     case kWmmaMma: return "wmma::mma_sync";
+    case kMmaSync: return "mma.sync.aligned";
+    case kLdmatrix: return "ldmatrix.sync.aligned";
     default: return "warp collective";
   }
 }
+
+// The collective a blocked fiber waits at, for messages: a warp_op's instruction name.
+const char* collective_name(const Fiber& f) { return f.op_fn ? f.op_name : kind_name(f.kind); }
 
 [[noreturn]] void fiber_main(void*);
 
@@ -302,9 +333,21 @@ struct Runner {
   bool failed = false;
   bool in_block = false;
   std::exception_ptr error;
+  dim3 block_idx{0, 0, 0};
+  ClusterCtx* cluster = nullptr;  // the cluster this CTA belongs to
+  int cluster_rank = 0;
+  ClusterCtx solo;                // the one-CTA cluster of a launch without clusters
   dim3 tid_dim{0, 0, 0};  // block shape for which fibers[].tid is valid
   unsigned char* smem = nullptr;
   size_t smem_cap = 0;
+  size_t smem_used = 0;  // dynamic shared bytes of the running launch
+  // cp.async visibility, one entry per 4-byte word of the dynamic shared memory: 0, or the
+  // linear index + 1 of the thread whose cp.async targets the word, with kAsyncLanded set
+  // once that thread's wait retired the copy. A __syncthreads clears landed words (the
+  // copies are then visible to every thread of the block).
+  static constexpr uint16_t kAsyncLanded = 0x8000;
+  std::vector<uint16_t> async_word_owner;
+  std::vector<uint32_t> async_landed_words;  // words with kAsyncLanded set
 #if HW_SIM_CTX_ASM && defined(__x86_64__)
   unsigned long long fpctl = 0;  // mxcsr | x87 cw << 32 for new fibers
 #endif
@@ -355,10 +398,10 @@ struct Runner {
   }
 
   std::string prefix() const {
-    return std::string("headwise sim: kernel '") + (L ? L->name : "?") + "' block " + dim_str(blockIdx) + ": ";
+    return std::string("headwise sim: kernel '") + (L ? L->name : "?") + "' block " + dim_str(block_idx) + ": ";
   }
   std::string thread_prefix() const {
-    return std::string("headwise sim: kernel '") + (L ? L->name : "?") + "' block " + dim_str(blockIdx) +
+    return std::string("headwise sim: kernel '") + (L ? L->name : "?") + "' block " + dim_str(block_idx) +
            " thread " + dim_str(threadIdx) + ": ";
   }
 
@@ -508,27 +551,61 @@ struct Runner {
     std::abort();  // never resumed
   }
 
+  // A __syncthreads: copies retired by their thread's wait become visible block-wide.
+  void publish_landed_async_copies() {
+    for (uint32_t w : async_landed_words)
+      if (async_word_owner[w] & kAsyncLanded) async_word_owner[w] = 0;
+    async_landed_words.clear();
+  }
+  // A __syncwarp of `group` in warp `warp`: the copies those lanes retired become visible
+  // to the lanes of the group (recorded as visible to all: the emulator keeps no per-thread
+  // view, so a later read by another warp without a __syncthreads is not flagged).
+  void publish_landed_async_copies_of(int warp, unsigned group) {
+    size_t kept = 0;
+    for (uint32_t w : async_landed_words) {
+      const uint16_t owner = async_word_owner[w];
+      if (!(owner & kAsyncLanded)) continue;
+      const int t = (owner & ~kAsyncLanded) - 1;
+      if (t >> 5 == warp && ((group >> (t & 31)) & 1u))
+        async_word_owner[w] = 0;
+      else
+        async_landed_words[kept++] = w;
+    }
+    async_landed_words.resize(kept);
+  }
+  void land_async_copy(const Fiber::AsyncCopy& c);
+
+  // A block runs as start_block, run_ready until no thread is ready (once for a lone
+  // block; in turns with the cluster's other CTAs for a cluster), then finish_block.
+  void start_block(const LaunchCtx& lc, dim3 idx, ClusterCtx* c, int rank);
+  void run_ready();
+  void finish_block(bool abandoned);
   void run_block(const LaunchCtx& lc, int64_t b);
+  std::string waiting_at(int t) const;
   std::string deadlock_message();
   void release_warp(int w, unsigned group, int me);
   [[noreturn]] __attribute__((noinline, cold)) void divergent(int w, unsigned group, unsigned mask);
 };
 
-Runner& runner() {
-  static thread_local std::unique_ptr<Runner> owner;
-  if (!tl_runner) {
-    owner.reset(new Runner());
-    tl_runner = owner.get();
-  }
-  return *tl_runner;
+// This OS thread's runners: runner(0) runs lone blocks, runner(r) the CTA of rank r of a
+// cluster. tl_runner points to the one whose fibers run (or ran last).
+Runner& runner(int i = 0) {
+  static thread_local std::vector<std::unique_ptr<Runner>> pool;
+  while (static_cast<int>(pool.size()) <= i) pool.emplace_back(new Runner());
+  if (!tl_runner) tl_runner = pool[0].get();
+  return *pool[i];
 }
 
 [[noreturn]] __attribute__((noinline, cold)) void outside_launch(int kind) {
-  const char* what = kind == -1 ? "__syncthreads" : kind == -2 ? "__activemask" : kind_name(kind);
+  const char* what = kind == -1   ? "__syncthreads"
+                     : kind == -2 ? "__activemask"
+                     : kind == -3 ? "barrier.cluster / %cluster_ctarank / mapa"
+                                  : kind_name(kind);
   throw SimtError(std::string("headwise sim: ") + what + " called outside a kernel launch");
 }
 
-// kind: a CollKind, -1 for __syncthreads, -2 for __activemask (names only used for errors).
+// kind: a CollKind, -1 for __syncthreads, -2 for __activemask, -3 for the cluster
+// functions (names only used for errors).
 inline Runner& current_runner(int kind) {
   Runner* R = tl_runner;
   if (__builtin_expect(!R || !R->in_block || R->cur < 0, 0)) outside_launch(kind);
@@ -565,17 +642,18 @@ inline Runner& current_runner(int kind) {
   R.exit_current(threw);
 }
 
-void Runner::run_block(const LaunchCtx& lc, int64_t b) {
+void Runner::start_block(const LaunchCtx& lc, dim3 idx, ClusterCtx* c, int rank) {
   L = &lc;
-  const dim3 g = lc.grid;
-  blockIdx = dim3(static_cast<unsigned>(b % g.x), static_cast<unsigned>((b / g.x) % g.y),
-                  static_cast<unsigned>(b / (static_cast<int64_t>(g.x) * g.y)));
-  blockDim = lc.block;
-  gridDim = lc.grid;
+  block_idx = idx;
+  cluster = c;
+  cluster_rank = rank;
   n = lc.nthreads;
   ensure_stacks(n);
   ensure_smem(lc.smem);
   if (lc.smem) std::memset(smem, 0xFF, lc.smem);
+  smem_used = lc.smem;
+  async_word_owner.assign((lc.smem + 3) / 4, 0);
+  async_landed_words.clear();
 
   const dim3 bd = lc.block;
   if (tid_dim.x != bd.x || tid_dim.y != bd.y || tid_dim.z != bd.z) {
@@ -597,6 +675,9 @@ void Runner::run_block(const LaunchCtx& lc, int64_t b) {
   for (int i = 0; i < n; ++i) {
     fibers[i].state = kReady;
     fibers[i].started = false;
+    fibers[i].op_fn = nullptr;  // an abandoned fiber of a failed launch may have left one
+    fibers[i].async_copies.clear();
+    fibers[i].async_groups_committed = 0;
     push_back(i);
   }
   nwarps = (n + 31) / 32;
@@ -623,27 +704,137 @@ void Runner::run_block(const LaunchCtx& lc, int64_t b) {
     fpctl = static_cast<unsigned long long>(mx) | (static_cast<unsigned long long>(cw) << 32);
   }
 #endif
-
   in_block = true;
+}
+
+void Runner::run_ready() {
+  tl_runner = this;
+  blockIdx = block_idx;
+  blockDim = L->block;
+  gridDim = L->grid;
   const int first = pop();
-  resume(sched, first, false);
-  // Back on the OS thread's stack: all fibers exited, or an error, or deadlock.
-  in_block = false;
+  if (first >= 0) resume(sched, first, false);
+  // Back on the OS thread's stack: no thread of this block is ready, or one failed.
   cur = -1;
   threadIdx = dim3(0, 0, 0);
-  if (failed || alive > 0) {
+}
+
+// Ends the block's run; `abandoned`: its fibers are dropped where they wait (an error or
+// a deadlock somewhere in the launch).
+void Runner::finish_block(bool abandoned) {
+  in_block = false;
 #if HW_SIM_ASAN
-    // Abandoned fibers leave poisoned frames behind; clean the stacks for reuse.
+  // Abandoned fibers leave poisoned frames behind; clean the stacks for reuse.
+  if (abandoned)
     for (int i = 0; i < n; ++i)
       if (fibers[i].started && fibers[i].state != kExited)
         __asan_unpoison_memory_region(stacks[i].lo, static_cast<size_t>(stacks[i].hi - stacks[i].lo));
+#else
+  (void)abandoned;
 #endif
-    if (failed) {
-      std::exception_ptr e = error;
-      error = nullptr;
-      std::rethrow_exception(e);
+}
+
+void Runner::run_block(const LaunchCtx& lc, int64_t b) {
+  const dim3 g = lc.grid;
+  solo.cta[0] = this;
+  solo.ctas = 1;
+  solo.threads = lc.nthreads;
+  solo.arrived = 0;
+  start_block(lc,
+              dim3(static_cast<unsigned>(b % g.x), static_cast<unsigned>((b / g.x) % g.y),
+                   static_cast<unsigned>(b / (static_cast<int64_t>(g.x) * g.y))),
+              &solo, 0);
+  run_ready();
+  // All fibers exited, or an error, or deadlock.
+  finish_block(failed || alive > 0);
+  if (failed) {
+    std::exception_ptr e = error;
+    error = nullptr;
+    std::rethrow_exception(e);
+  }
+  if (alive > 0) throw SimtError(deadlock_message());
+}
+
+// barrier.cluster reached by only some threads of the cluster: which CTAs' threads are
+// missing and where they are.
+std::string cluster_deadlock_message(const ClusterCtx& C) {
+  const Runner& R0 = *C.cta[0];
+  std::string msg = std::string("headwise sim: kernel '") + R0.L->name + "' cluster of blocks " +
+                    dim_str(R0.block_idx) + ".." + dim_str(C.cta[C.ctas - 1]->block_idx) +
+                    ": deadlock (no thread can make progress): barrier.cluster reached by " +
+                    std::to_string(C.arrived) + " of " + std::to_string(C.threads) + " threads of " +
+                    std::to_string(C.ctas) + " CTAs";
+  for (int r = 0; r < C.ctas; ++r) {
+    const Runner& R = *C.cta[r];
+    std::vector<std::string> where(static_cast<size_t>(R.n));  // empty: at the cluster barrier
+    for (int t = 0; t < R.n; ++t)
+      if (R.fibers[t].state != kAtCluster) where[t] = R.waiting_at(t);
+    for (int t = 0; t < R.n; ++t) {
+      if (where[t].empty()) continue;
+      const std::string what = where[t];
+      std::vector<int> threads;
+      for (int u = t; u < R.n; ++u)
+        if (where[u] == what) {
+          threads.push_back(u);
+          where[u].clear();
+        }
+      msg += "; CTA rank " + std::to_string(r) + " (block " + dim_str(R.block_idx) + "): thread" +
+             (threads.size() > 1 ? "s " : " ") + range_list(threads) + " " + what +
+             (what == "exited" ? " without reaching it" : " instead");
     }
-    throw SimtError(deadlock_message());
+  }
+  return msg;
+}
+
+// Runs cluster number c of a cluster launch: its CTAs take turns on this OS thread until
+// every thread exited, one failed, or none can make progress.
+void run_cluster(const LaunchCtx& lc, int64_t c) {
+  const dim3 g = lc.grid, cd = lc.cluster;
+  const int64_t cgx = g.x / cd.x, cgy = g.y / cd.y;
+  const dim3 first(static_cast<unsigned>(c % cgx) * cd.x, static_cast<unsigned>((c / cgx) % cgy) * cd.y,
+                   static_cast<unsigned>(c / (cgx * cgy)) * cd.z);
+  ClusterCtx C;
+  C.ctas = static_cast<int>(cd.x * cd.y * cd.z);
+  C.threads = C.ctas * lc.nthreads;
+  for (int r = 0; r < C.ctas; ++r) {
+    C.cta[r] = &runner(r);
+    const dim3 idx(first.x + r % cd.x, first.y + (r / cd.x) % cd.y, first.z + r / (cd.x * cd.y));
+    C.cta[r]->start_block(lc, idx, &C, r);
+  }
+  Runner* failed = nullptr;
+  for (bool progress = true; progress && !failed;) {
+    progress = false;
+    for (int r = 0; r < C.ctas && !failed; ++r) {
+      Runner& R = *C.cta[r];
+      if (R.qcount == 0) continue;
+      R.run_ready();
+      progress = true;
+      if (R.failed) failed = &R;
+    }
+  }
+  Runner* stuck = nullptr;
+  for (int r = 0; r < C.ctas; ++r)
+    if (!stuck && C.cta[r]->alive > 0) stuck = C.cta[r];
+  std::string deadlock;
+  if (!failed && stuck) deadlock = C.arrived > 0 ? cluster_deadlock_message(C) : stuck->deadlock_message();
+  for (int r = 0; r < C.ctas; ++r) C.cta[r]->finish_block(failed || stuck);
+  tl_runner = &runner(0);
+  if (failed) {
+    std::exception_ptr e = failed->error;
+    failed->error = nullptr;
+    std::rethrow_exception(e);
+  }
+  if (stuck) throw SimtError(deadlock);
+}
+
+std::string Runner::waiting_at(int t) const {
+  const Fiber& f = fibers[t];
+  switch (f.state) {
+    case kExited: return "exited";
+    case kAtBarrier: return "wait at __syncthreads";
+    case kAtCluster: return "wait at barrier.cluster";
+    case kAtWarp: return std::string("wait at ") + collective_name(f) + "(mask=" + hex(f.mask) + ")";
+    default: return "are runnable";
   }
 }
 
@@ -654,15 +845,7 @@ std::string Runner::deadlock_message() {
     if (!first_part) msg += "; ";
     first_part = false;
   };
-  auto where = [&](int t) -> std::string {
-    const Fiber& f = fibers[t];
-    switch (f.state) {
-      case kExited: return "exited";
-      case kAtBarrier: return "wait at __syncthreads";
-      case kAtWarp: return std::string("wait at ") + kind_name(f.kind) + "(mask=" + hex(f.mask) + ")";
-      default: return "are runnable";
-    }
-  };
+  auto where = [&](int t) { return waiting_at(t); };
   // Block barrier.
   if (arrived > 0) {
     sep();
@@ -679,6 +862,12 @@ std::string Runner::deadlock_message() {
     if (!at_warp.empty())
       msg += "; thread" + std::string(at_warp.size() > 1 ? "s " : " ") + range_list(at_warp) +
              " wait at warp collectives instead";
+    std::vector<int> at_cluster;
+    for (int t = 0; t < n; ++t)
+      if (fibers[t].state == kAtCluster) at_cluster.push_back(t);
+    if (!at_cluster.empty())
+      msg += "; thread" + std::string(at_cluster.size() > 1 ? "s " : " ") + range_list(at_cluster) +
+             " wait at barrier.cluster instead";
   }
   // Warp collectives.
   for (int w = 0; w < nwarps; ++w) {
@@ -695,7 +884,7 @@ std::string Runner::deadlock_message() {
       posted &= ~same;
       const unsigned need = mask & warp_exist[w];
       sep();
-      msg += "warp " + std::to_string(w) + ": " + kind_name(f0.kind) + "(mask=" + hex(mask) + ") reached by " +
+      msg += "warp " + std::to_string(w) + ": " + collective_name(f0) + "(mask=" + hex(mask) + ") reached by " +
              std::to_string(__builtin_popcount(same)) + " of " + std::to_string(__builtin_popcount(need)) +
              " lanes";
       // Group the missing lanes by what they are doing.
@@ -734,13 +923,13 @@ void Runner::divergent(int w, unsigned group, unsigned mask) {
     std::vector<int> lanes;
     for (unsigned q2 = left; q2; q2 &= q2 - 1) {
       const int l = __builtin_ctz(q2);
-      if (F[l].kind == a.kind && F[l].width == a.width && F[l].size == a.size) {
+      if (F[l].kind == a.kind && F[l].width == a.width && F[l].size == a.size && F[l].op_fn == a.op_fn) {
         lanes.push_back(l);
         left &= ~(1u << l);
       }
     }
     msg += std::string(first ? " " : "; ") + "lane" + (lanes.size() > 1 ? "s " : " ") + range_list(lanes) +
-           " at " + kind_name(a.kind);
+           " at " + collective_name(a);
     if (a.kind <= kShflXor) msg += "(width=" + std::to_string(a.width) + ", " + std::to_string(a.size) + "-byte value)";
     first = false;
   }
@@ -754,7 +943,8 @@ void Runner::release_warp(int w, unsigned group, int me) {
   // Validate: same collective, same width and value size.
   for (unsigned p = group; p; p &= p - 1) {
     const Fiber& f = F[__builtin_ctz(p)];
-    if (f.kind != fm.kind || f.width != fm.width || f.size != fm.size) divergent(w, group, fm.mask);
+    if (f.kind != fm.kind || f.width != fm.width || f.size != fm.size || f.op_fn != fm.op_fn)
+      divergent(w, group, fm.mask);
   }
   const int kind = fm.kind;
   if (kind >= kShflIdx && kind <= kShflXor) {
@@ -781,6 +971,16 @@ void Runner::release_warp(int w, unsigned group, int me) {
       else
         std::memset(f.res, 0xFF, sizeof f.res);  // source lane not participating: undefined on hardware
     }
+  } else if (kind == kSyncWarp) {
+    if (!async_landed_words.empty()) publish_landed_async_copies_of(w, group);
+  } else if (kind == kMmaSync || kind == kLdmatrix) {
+    const void* in[32];
+    void* out[32];
+    for (int l = 0; l < 32; ++l) {
+      in[l] = F[l].op_in;
+      out[l] = F[l].op_out;
+    }
+    fm.op_fn(in, out);
   } else if (kind >= kVoteAll && kind <= kVoteBallot) {
     unsigned ballot = 0;
     for (unsigned p = group; p; p &= p - 1) {
@@ -860,6 +1060,7 @@ int block_barrier(int op, int pred) {
     R.bar_result = R.bar_count;
     R.arrived = 0;
     R.bar_count = 0;
+    R.publish_landed_async_copies();
     for (int i = 0; i < R.n; ++i) {
       if (i == R.cur) continue;
       R.fibers[i].state = kReady;
@@ -888,6 +1089,156 @@ unsigned warp_vote(int kind, unsigned mask, int pred) {
 }
 
 void warp_sync(int kind, unsigned mask) { warp_collective(kind, mask, nullptr, 0, 0, 32); }
+
+// ---------------------------------------------------------------------------
+// Emulated primitives: warp operations (mma.sync, ldmatrix) and cp.async
+// ---------------------------------------------------------------------------
+void device_error(const std::string& what) {
+  Runner* R = tl_runner;
+  if (!R || !R->in_block) throw SimtError("headwise sim: " + what + " (called outside a kernel launch)");
+  throw SimtError(R->thread_prefix() + what);
+}
+
+void warp_op(int kind, const char* name, WarpOpFn fn, const void* in, void* out) {
+  Runner& R = current_runner(kind);
+  const int w = R.cur >> 5;
+  if (R.warp_exist[w] != 0xffffffffu)
+    device_error(std::string(name) + " needs a full warp of 32 threads, but warp " + std::to_string(w) +
+                 " of this " + std::to_string(R.n) + "-thread block has " +
+                 std::to_string(__builtin_popcount(R.warp_exist[w])));
+  Fiber& f = R.fibers[R.cur];
+  f.op_fn = fn;
+  f.op_name = name;
+  f.op_in = in;
+  f.op_out = out;
+  warp_collective(kind, 0xffffffffu, nullptr, 0, 0, 32);
+  f.op_fn = nullptr;
+}
+
+bool in_shared_window(const void* p, size_t bytes) {
+  Runner* R = tl_runner;
+  if (!R || !R->in_block || R->smem_used == 0) return false;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), lo = reinterpret_cast<uintptr_t>(R->smem);
+  return a >= lo && a - lo <= R->smem_used && bytes <= R->smem_used - (a - lo);
+}
+
+void check_async_copies_visible(const void* p, size_t bytes, const char* who) {
+  Runner& R = current_runner(kLdmatrix);
+  const size_t off = static_cast<size_t>(static_cast<const unsigned char*>(p) - R.smem);
+  for (size_t w = off / 4; w < (off + bytes + 3) / 4; ++w) {
+    const uint16_t owner = R.async_word_owner[w];
+    if (owner == 0) continue;
+    const std::string thread = "thread " + std::to_string((owner & ~Runner::kAsyncLanded) - 1);
+    if (owner & Runner::kAsyncLanded)
+      device_error(std::string(who) + " reads shared byte offset " + std::to_string(4 * w) + ", written by " +
+                   thread + "'s cp.async, which landed at that thread's cp.async.wait but no __syncthreads "
+                   "has made it visible to other threads since");
+    device_error(std::string(who) + " reads shared byte offset " + std::to_string(4 * w) + ", the destination of " +
+                 thread + "'s cp.async that no cp.async.wait_group/wait_all has retired (it reads as poison)");
+  }
+}
+
+void Runner::land_async_copy(const Fiber::AsyncCopy& c) {
+  std::memcpy(c.dst, c.src, c.src_size);
+  std::memset(c.dst + c.src_size, 0, c.cp_size - c.src_size);  // the zero-fill of src-size < cp-size
+  const size_t w0 = static_cast<size_t>(c.dst - smem) / 4;
+  for (size_t w = w0; w < w0 + c.cp_size / 4; ++w) {
+    if (async_word_owner[w] != cur + 1) continue;  // a later copy of another thread owns it
+    async_word_owner[w] |= kAsyncLanded;
+    async_landed_words.push_back(static_cast<uint32_t>(w));
+  }
+}
+
+void cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size, bool cache_global) {
+  const char* op = cache_global ? "cp.async.cg.shared.global" : "cp.async.ca.shared.global";
+  Runner* R = tl_runner;
+  if (!R || !R->in_block || R->cur < 0) device_error(std::string(op) + " called outside a kernel launch");
+  auto fail = [&](const std::string& why) {
+    char where[64];
+    std::snprintf(where, sizeof where, " (dst %p, src %p)", dst, src);
+    device_error(std::string(op) + " of " + std::to_string(cp_size) + " bytes: " + why + where);
+  };
+  if (cache_global ? cp_size != 16 : (cp_size != 4 && cp_size != 8 && cp_size != 16))
+    fail(cache_global ? "cp-size must be 16" : "cp-size must be 4, 8 or 16");
+  if (src_size > cp_size) fail("src-size " + std::to_string(src_size) + " exceeds cp-size");
+  if (!in_shared_window(dst, cp_size))
+    fail("the destination is not in the block's dynamic shared memory (hw::dynamic_shared_memory())");
+  if (reinterpret_cast<uintptr_t>(dst) % cp_size) fail("the shared destination is not aligned to cp-size");
+  if (src_size > 0 && src == nullptr) fail("the global source is a null pointer");
+  if (in_shared_window(src, 1)) fail("the source is in shared memory; it must be a global address");
+  if (reinterpret_cast<uintptr_t>(src) % cp_size) fail("the global source is not aligned to cp-size");
+  unsigned char* d = static_cast<unsigned char*>(dst);
+  std::memset(d, 0xFF, cp_size);  // poison until the issuing thread's wait
+  const size_t w0 = static_cast<size_t>(d - R->smem) / 4;
+  for (size_t w = w0; w < w0 + cp_size / 4; ++w) R->async_word_owner[w] = static_cast<uint16_t>(R->cur + 1);
+  R->fibers[R->cur].async_copies.push_back({d, static_cast<const unsigned char*>(src), cp_size, src_size, -1});
+}
+
+void cp_async_commit_group() {
+  Runner* R = tl_runner;
+  if (!R || !R->in_block || R->cur < 0) device_error("cp.async.commit_group called outside a kernel launch");
+  Fiber& f = R->fibers[R->cur];
+  for (Fiber::AsyncCopy& c : f.async_copies)
+    if (c.group < 0) c.group = f.async_groups_committed;
+  ++f.async_groups_committed;
+}
+
+void cp_async_wait_group(int pending_groups_allowed) {
+  Runner* R = tl_runner;
+  if (!R || !R->in_block || R->cur < 0) device_error("cp.async.wait_group called outside a kernel launch");
+  if (pending_groups_allowed < 0) device_error("cp.async.wait_group: N must be a non-negative constant");
+  Fiber& f = R->fibers[R->cur];
+  // Retire every committed group but the newest `pending_groups_allowed`; copies not yet
+  // committed stay in flight (PTX: wait_group waits for committed groups only).
+  const int retire_below = f.async_groups_committed - pending_groups_allowed;
+  size_t kept = 0;
+  for (size_t i = 0; i < f.async_copies.size(); ++i) {
+    const Fiber::AsyncCopy c = f.async_copies[i];
+    if (c.group >= 0 && c.group < retire_below)
+      R->land_async_copy(c);
+    else
+      f.async_copies[kept++] = c;
+  }
+  f.async_copies.resize(kept);
+}
+
+// ---------------------------------------------------------------------------
+// Thread block clusters
+// ---------------------------------------------------------------------------
+unsigned cluster_ctarank() { return static_cast<unsigned>(current_runner(-3).cluster_rank); }
+
+unsigned cluster_num_ctas() { return static_cast<unsigned>(current_runner(-3).cluster->ctas); }
+
+void cluster_barrier() {
+  Runner& R = current_runner(-3);
+  ClusterCtx& C = *R.cluster;
+  if (++C.arrived == C.threads) {
+    C.arrived = 0;
+    for (int r = 0; r < C.ctas; ++r) {
+      Runner& P = *C.cta[r];
+      for (int i = 0; i < P.n; ++i) {
+        if (P.fibers[i].state != kAtCluster) continue;
+        P.fibers[i].state = kReady;
+        P.push_back(i);
+      }
+      P.publish_landed_async_copies();  // the barrier orders shared memory cluster-wide
+    }
+  } else {
+    R.fibers[R.cur].state = kAtCluster;
+    R.wait_current();
+  }
+}
+
+void* cluster_map_shared(const void* p, unsigned rank) {
+  Runner& R = current_runner(-3);
+  if (rank >= static_cast<unsigned>(R.cluster->ctas))
+    device_error("mapa (cluster_map_shared): rank " + std::to_string(rank) + " is not in this cluster of " +
+                 std::to_string(R.cluster->ctas) + " CTAs");
+  if (!in_shared_window(p, 1))
+    device_error("mapa (cluster_map_shared): the address is not in the block's dynamic shared memory "
+                 "(hw::dynamic_shared_memory())");
+  return R.cluster->cta[rank]->smem + (static_cast<const unsigned char*>(p) - R.smem);
+}
 
 unsigned active_mask() {
   Runner& R = current_runner(-2);
@@ -933,10 +1284,17 @@ unsigned char* dynamic_shared_memory() {
 
 void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_smem_bytes,
             const std::function<void()>& body) {
+  launch_cluster(kernel_name, grid, block, dim3(1, 1, 1), dynamic_smem_bytes, body);
+}
+
+void launch_cluster(const char* kernel_name, dim3 grid, dim3 block, dim3 cluster, size_t dynamic_smem_bytes,
+                    const std::function<void()>& body) {
   const std::string name = kernel_name ? kernel_name : "?";
+  const bool clustered = cluster.x * cluster.y * cluster.z != 1;
   auto bad = [&](const std::string& why) {
     throw SimtError("headwise sim: kernel '" + name + "': invalid launch configuration: grid " +
-                    detail::dim_str(grid) + ", block " + detail::dim_str(block) + ", " +
+                    detail::dim_str(grid) + ", block " + detail::dim_str(block) +
+                    (clustered ? ", cluster " + detail::dim_str(cluster) : std::string()) + ", " +
                     std::to_string(dynamic_smem_bytes) + " bytes dynamic shared memory: " + why);
   };
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) bad("empty grid");
@@ -948,11 +1306,16 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_smem_
   if (block.z > 64u) bad("block.z exceeds 64");
   if (dynamic_smem_bytes > 227u * 1024u) bad("dynamic shared memory exceeds 232448 bytes");
   if (!body) bad("empty kernel body");
+  if (cluster.x == 0 || cluster.y == 0 || cluster.z == 0) bad("empty cluster");
+  if (grid.x % cluster.x || grid.y % cluster.y || grid.z % cluster.z) bad("grid is not a multiple of the cluster");
+  if (static_cast<uint64_t>(cluster.x) * cluster.y * cluster.z > detail::kMaxClusterCtas)
+    bad("more than " + std::to_string(detail::kMaxClusterCtas) + " CTAs per cluster (the portable limit)");
   if (detail::tl_runner && detail::tl_runner->in_block)
     throw SimtError("headwise sim: kernel '" + name + "': launch from device code is not supported");
 
-  detail::LaunchCtx lc{name.c_str(), grid, block, dynamic_smem_bytes, static_cast<int>(nthreads), &body};
-  const int64_t total = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  detail::LaunchCtx lc{name.c_str(), grid, block, dynamic_smem_bytes, static_cast<int>(nthreads), &body, cluster};
+  // Work items: blocks, or whole clusters (a cluster's CTAs run together on one OS thread).
+  const int64_t total = static_cast<int64_t>(grid.x / cluster.x) * (grid.y / cluster.y) * (grid.z / cluster.z);
   std::atomic<bool> failed{false};
   std::mutex mu;
   std::exception_ptr first;
@@ -962,7 +1325,10 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_smem_
       detail::Runner& R = detail::runner();
       for (int64_t b = lo; b < hi; ++b) {
         if (failed.load(std::memory_order_relaxed)) return;
-        R.run_block(lc, b);
+        if (clustered)
+          detail::run_cluster(lc, b);
+        else
+          R.run_block(lc, b);
       }
     } catch (...) {
       std::lock_guard<std::mutex> g(mu);

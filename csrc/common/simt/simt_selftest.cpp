@@ -16,7 +16,12 @@
 //   spin_wait(threads)                          an intra-block spin-wait with __nanosleep
 //   wmma_gemm(a [M, K], b [K, N] or [N, K], b_col_major)  f16/bf16 tiles, f32 accumulation
 //   faulty_kernel(which)                        a buggy kernel; always raises RuntimeError
+//   mma_lanes, ldmatrix_lanes, cp_async_roundtrip, cp_async_ldmatrix, cluster_exchange
+//                                               lane-by-lane tests of the primitives of
+//                                               csrc/common/{mma_primitives,cluster}.cuh (kernels
+//                                               in primitive_selftest.cuh, also built for CUDA)
 #include "simt.h"
+#include "primitive_selftest.cuh"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -304,6 +309,67 @@ __global__ void nested_launch_kernel(int* __restrict__ out) {
   out[threadIdx.x] = 1;
 }
 
+// --- faulty uses of the primitives of csrc/common/mma_primitives.cuh (cases 14..) ---
+
+// 14: a 16-byte cp.async to a shared address that is only 4-byte aligned.
+__global__ void cp_async_misaligned_kernel(const int* __restrict__ src) {
+  unsigned char* smem = hw::dynamic_shared_memory();
+  if (threadIdx.x == 3) hw::cp_async_cg16(smem + 4, src, 16);
+  hw::cp_async_wait_all();
+}
+
+// 15: a cp.async whose destination is global memory, not shared.
+__global__ void cp_async_global_dst_kernel(int* __restrict__ buf) {
+  if (threadIdx.x == 0) hw::cp_async_ca<8>(buf + 64, buf, 8);
+  hw::cp_async_wait_all();
+}
+
+// 16: ldmatrix with lane 9's row address 4 bytes past a 16-byte boundary.
+__global__ void ldmatrix_misaligned_kernel(int* __restrict__ out) {
+  unsigned char* smem = hw::dynamic_shared_memory();
+  uint32_t r[2];
+  hw::ldmatrix<2>(r, smem + 16 * (threadIdx.x % 16) + (threadIdx.x == 9 ? 4 : 0));
+  out[threadIdx.x] = static_cast<int>(r[0]);
+}
+
+// 17 / 18: primtest::cp_async_ldmatrix_kernel without the wait (17), or with the wait but
+// without a __syncwarp / __syncthreads before the ldmatrix (18).
+
+// 19: mma.sync in a block of 48 threads (warp 1 has 16 lanes). 20: lane 31 has exited.
+// 21: lanes 0..15 at the bf16 mma, lanes 16..31 at the tf32 one.
+__global__ void mma_misuse_kernel(int which, float* __restrict__ out) {
+  const uint32_t a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+  const float c[4] = {0, 0, 0, 0};
+  float d[4];
+  if (which == 20 && threadIdx.x % 32 == 31) return;
+  if (which == 21 && threadIdx.x % 32 >= 16)
+    hw::mma_m16n8k8_tf32(d, a, b, c);
+  else
+    hw::mma_m16n8k16_bf16(d, a, b, c);
+  out[threadIdx.x] = d[0];
+}
+
+// 22: ldmatrix with lane 5's row address in global memory.
+__global__ void ldmatrix_global_row_kernel(int* __restrict__ buf) {
+  unsigned char* smem = hw::dynamic_shared_memory();
+  uint32_t r[1];
+  hw::ldmatrix<1>(r, threadIdx.x == 5 ? static_cast<void*>(buf + 64) : static_cast<void*>(smem + 16 * (threadIdx.x % 8)));
+  buf[threadIdx.x] = static_cast<int>(r[0]);
+}
+
+// 23: CTA rank 1 of each 2-CTA cluster returns before the cluster barrier.
+__global__ void cluster_barrier_early_exit_kernel(int* __restrict__ out) {
+  if (hw::cluster_ctarank() == 1) return;
+  hw::cluster_sync();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = 1;
+}
+
+// 24: mapa of a rank outside the 2-CTA cluster.
+__global__ void cluster_bad_rank_kernel(int* __restrict__ out) {
+  int* words = reinterpret_cast<int*>(hw::dynamic_shared_memory());
+  out[threadIdx.x] = *hw::cluster_map_shared(words, 2);
+}
+
 // spin_wait(threads): thread 0 spins, sleeping, until the block's last thread sets a
 // flag. It terminates because __nanosleep is a yield point of the emulator.
 __global__ void spin_wait_kernel(int* __restrict__ out) {
@@ -542,6 +608,24 @@ void faulty_kernel(int64_t which) {
       case 11: hw_sim::launch("barrier_vs_warp", 1, 64, 0, [&] { barrier_vs_warp_kernel(p); }); break;
       case 12: hw_sim::launch("nested_launch", 1, 32, 0, [&] { nested_launch_kernel(p); }); break;
       case 13: __syncthreads(); break;  // device code called on the host
+      case 14: hw_sim::launch("cp_async_misaligned", 1, 64, 256, [&] { cp_async_misaligned_kernel(p); }); break;
+      case 15: hw_sim::launch("cp_async_global_dst", 1, 32, 256, [&] { cp_async_global_dst_kernel(p); }); break;
+      case 16: hw_sim::launch("ldmatrix_misaligned", 1, 32, 512, [&] { ldmatrix_misaligned_kernel(p); }); break;
+      case 17: primtest::launch_cp_async_ldmatrix<primtest::kNoWait>(p, reinterpret_cast<uint32_t*>(p + 1024)); break;
+      case 18: primtest::launch_cp_async_ldmatrix<primtest::kNoSync>(p, reinterpret_cast<uint32_t*>(p + 1024)); break;
+      case 19:
+      case 20:
+      case 21: {
+        float* f = reinterpret_cast<float*>(p);
+        hw_sim::launch("mma_misuse", 1, which == 19 ? 48 : 32, 0, [&] { mma_misuse_kernel(static_cast<int>(which), f); });
+        break;
+      }
+      case 22: hw_sim::launch("ldmatrix_global_row", 1, 32, 256, [&] { ldmatrix_global_row_kernel(p); }); break;
+      case 23:
+        hw_sim::launch_cluster("cluster_barrier_early_exit", 2, 64, 2, 0, [&] { cluster_barrier_early_exit_kernel(p); });
+        break;
+      case 24: hw_sim::launch_cluster("cluster_bad_rank", 2, 32, 2, 256, [&] { cluster_bad_rank_kernel(p); }); break;
+      case 25: hw_sim::launch_cluster("cluster_grid_mismatch", 3, 32, 2, 0, [&] { trivial_kernel(p); }); break;
       default: TORCH_CHECK(false, "faulty_kernel: unknown case ", which);
     }
   });
@@ -563,6 +647,13 @@ TORCH_LIBRARY(headwise_simtest, m) {
   m.def("spin_wait(int threads) -> Tensor");
   m.def("wmma_gemm(Tensor a, Tensor b, bool b_col_major=False) -> Tensor");
   m.def("faulty_kernel(int which) -> ()");
+  m.def("mma_lanes(Tensor a_regs, Tensor b_regs, Tensor c, int kind) -> Tensor");
+  m.def("ldmatrix_lanes(Tensor smem, Tensor row_offsets, int num, bool trans=False) -> Tensor");
+  m.def(
+      "cp_async_roundtrip(Tensor src, int copy_bytes, bool cache_global, Tensor src_bytes, bool skip_wait=False) "
+      "-> Tensor");
+  m.def("cp_async_ldmatrix(Tensor src, int sync) -> Tensor");
+  m.def("cluster_exchange(Tensor like, int blocks, int cluster_x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(headwise_simtest, CPU, m) {
@@ -571,6 +662,11 @@ TORCH_LIBRARY_IMPL(headwise_simtest, CPU, m) {
   m.impl("warp_shuffle", &headwise::simtest::warp_shuffle);
   m.impl("warp_vote", &headwise::simtest::warp_vote);
   m.impl("wmma_gemm", &headwise::simtest::wmma_gemm);
+  m.impl("mma_lanes", &headwise::primtest::mma_lanes_sim);
+  m.impl("ldmatrix_lanes", &headwise::primtest::ldmatrix_lanes_sim);
+  m.impl("cp_async_roundtrip", &headwise::primtest::cp_async_roundtrip_sim);
+  m.impl("cp_async_ldmatrix", &headwise::primtest::cp_async_ldmatrix_sim);
+  m.impl("cluster_exchange", &headwise::primtest::cluster_exchange_sim);
 }
 
 // Ops without tensor arguments have no device to dispatch on.

@@ -1,0 +1,159 @@
+// Tensor-core and async-copy primitives with one spelling for both builds of a kernel:
+// inline PTX under nvcc (sm_80 and newer), the SIMT emulator's lane-exact model
+// (csrc/common/simt/primitives.h, which documents the fragment maps and the checks)
+// in the emulated build.
+//
+//   hw::mma_m16n8k16_bf16(d, a, b, c)  mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+//   hw::mma_m16n8k16_f16(d, a, b, c)   mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32
+//   hw::mma_m16n8k8_tf32(d, a, b, c)   mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32
+//       d, c: float[4]; a: uint32_t[4]; b: uint32_t[2] (this lane's fragment registers)
+//   hw::ldmatrix<Num, Trans>(r, row)   ldmatrix.sync.aligned.m8n8.x{Num}{.trans}.shared.b16
+//       r: uint32_t[Num]; row: this lane's row address in shared memory (lanes 0..8*Num-1)
+//   hw::cp_async_ca<Bytes>(dst, src, src_bytes)   cp.async.ca.shared.global, Bytes = 4, 8, 16
+//   hw::cp_async_cg16(dst, src, src_bytes)        cp.async.cg.shared.global, 16 bytes
+//       copies src_bytes (<= the copy size) and zero-fills the rest of the copy
+//   hw::cp_async_commit()              cp.async.commit_group
+//   hw::cp_async_wait<N>()             cp.async.wait_group N (all but the N newest groups landed)
+//   hw::cp_async_wait_all()            cp.async.wait_all
+// A cp.async is visible to the issuing thread after its wait, to the block's other threads
+// after a __syncthreads that follows the wait (to its warp's lanes after a __syncwarp). Shared operands must lie in the dynamic
+// shared memory (hw::dynamic_shared_memory()): that is the buffer the emulator checks.
+#pragma once
+
+#include "simt_portability.h"
+
+#include <cstdint>
+
+namespace hw {
+
+// PTX for sm_80 and newer; compiled for an older arch the primitive traps.
+#if !HW_SIM && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define HW_PRIM_PTX 1
+#else
+#define HW_PRIM_PTX 0
+#endif
+
+#if !HW_SIM
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+#endif
+
+// D = A B + C over one 16x8 tile, fp32 accumulation (d may alias c).
+#if HW_SIM
+#define HW_MMA_BODY(sim_type, ptx) hw_sim::prim::mma_m16n8<hw_sim::prim::MmaType::sim_type>(d, a, b, c);
+#elif HW_PRIM_PTX
+#define HW_MMA_BODY(sim_type, ptx)                                                                        \
+  asm volatile(ptx " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"               \
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                           \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),   \
+                 "f"(c[2]), "f"(c[3]));
+#else
+#define HW_MMA_BODY(sim_type, ptx) \
+  (void)d;                         \
+  (void)a;                         \
+  (void)b;                         \
+  (void)c;                         \
+  __trap();
+#endif
+#define HW_DEFINE_MMA(fn, sim_type, ptx)                                                            \
+  __device__ __forceinline__ void fn(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], \
+                                     const float (&c)[4]) {                                         \
+    HW_MMA_BODY(sim_type, ptx)                                                                      \
+  }
+HW_DEFINE_MMA(mma_m16n8k16_bf16, bf16, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+HW_DEFINE_MMA(mma_m16n8k16_f16, f16, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+HW_DEFINE_MMA(mma_m16n8k8_tf32, tf32, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
+#undef HW_DEFINE_MMA
+#undef HW_MMA_BODY
+
+template <int Num, bool Trans = false>
+__device__ __forceinline__ void ldmatrix(uint32_t (&r)[Num], const void* row_address) {
+  static_assert(Num == 1 || Num == 2 || Num == 4, "ldmatrix loads 1, 2 or 4 matrices");
+#if HW_SIM
+  hw_sim::prim::ldmatrix<Num, Trans>(r, row_address);
+#elif HW_PRIM_PTX
+  const uint32_t s = shared_address(row_address);
+  if constexpr (Num == 1 && !Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(s) : "memory");
+  else if constexpr (Num == 1)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(s) : "memory");
+  else if constexpr (Num == 2 && !Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(s) : "memory");
+  else if constexpr (Num == 2)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(s) : "memory");
+  else if constexpr (!Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+#else
+  (void)r;
+  (void)row_address;
+  __trap();
+#endif
+}
+
+template <int Bytes>
+__device__ __forceinline__ void cp_async_ca(void* smem_dst, const void* gmem_src, int src_bytes = Bytes) {
+  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async.ca copies 4, 8 or 16 bytes");
+#if HW_SIM
+  hw_sim::prim::cp_async(smem_dst, gmem_src, Bytes, static_cast<unsigned>(src_bytes), false);
+#elif HW_PRIM_PTX
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(shared_address(smem_dst)), "l"(gmem_src),
+               "n"(Bytes), "r"(src_bytes)
+               : "memory");
+#else
+  (void)smem_dst;
+  (void)gmem_src;
+  (void)src_bytes;
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cp_async_cg16(void* smem_dst, const void* gmem_src, int src_bytes = 16) {
+#if HW_SIM
+  hw_sim::prim::cp_async(smem_dst, gmem_src, 16, static_cast<unsigned>(src_bytes), true);
+#elif HW_PRIM_PTX
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem_dst)), "l"(gmem_src),
+               "r"(src_bytes)
+               : "memory");
+#else
+  (void)smem_dst;
+  (void)gmem_src;
+  (void)src_bytes;
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if HW_SIM
+  hw_sim::detail::cp_async_commit_group();
+#elif HW_PRIM_PTX
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  static_assert(N >= 0, "cp.async.wait_group N needs N >= 0");
+#if HW_SIM
+  hw_sim::detail::cp_async_wait_group(N);
+#elif HW_PRIM_PTX
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if HW_SIM
+  hw_sim::detail::cp_async_commit_group();
+  hw_sim::detail::cp_async_wait_group(0);
+#elif HW_PRIM_PTX
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+}  // namespace hw
