@@ -520,6 +520,7 @@ inline long long clock64() { return hw_sim::detail::clock_now(); }
 // that sleep terminate. (Spin-waits without __nanosleep, or on other blocks, hang.)
 inline void __nanosleep(unsigned) { hw_sim::detail::yield_thread(); }
 
+#include "simt_metrics.h"
 #include "wmma.h"
 
 #endif  // !defined(__CUDACC__)

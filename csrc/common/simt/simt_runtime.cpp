@@ -576,6 +576,12 @@ void Runner::run_block(const LaunchCtx& lc, int64_t b) {
   ensure_stacks(n);
   ensure_smem(lc.smem);
   if (lc.smem) std::memset(smem, 0xFF, lc.smem);
+#if defined(HW_SIM_PROFILE)
+  if (metrics::hooks::enabled()) {
+    metrics::hooks::block_begin(smem, lc.smem, n);
+    for (int i = 0; i < n; ++i) metrics::hooks::fiber_stack(i, stacks[i].lo, stacks[i].hi);
+  }
+#endif
 
   const dim3 bd = lc.block;
   if (tid_dim.x != bd.x || tid_dim.y != bd.y || tid_dim.z != bd.z) {
@@ -645,6 +651,9 @@ void Runner::run_block(const LaunchCtx& lc, int64_t b) {
     }
     throw SimtError(deadlock_message());
   }
+#if defined(HW_SIM_PROFILE)
+  if (metrics::hooks::enabled()) metrics::hooks::block_end();
+#endif
 }
 
 std::string Runner::deadlock_message() {
@@ -857,6 +866,9 @@ int block_barrier(int op, int pred) {
   Runner& R = current_runner(-1);
   R.bar_count += pred != 0;
   if (++R.arrived == R.n) {
+#if defined(HW_SIM_PROFILE)
+    metrics::hooks::barrier();
+#endif
     R.bar_result = R.bar_count;
     R.arrived = 0;
     R.bar_count = 0;
@@ -971,10 +983,21 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_smem_
     }
   };
   ParallelFor pf = g_parallel_for.load();
+#if defined(HW_SIM_PROFILE)
+  // Collected metrics are filled by one thread: the blocks run one after another.
+  const bool profiling = metrics::hooks::enabled();
+  if (profiling) {
+    pf = nullptr;
+    metrics::hooks::launch_begin(lc.name, grid, block, dynamic_smem_bytes);
+  }
+#endif
   if (pf)
     pf(0, total, fn);
   else
     fn(0, total);
+#if defined(HW_SIM_PROFILE)
+  if (profiling) metrics::hooks::launch_end();
+#endif
   if (first) std::rethrow_exception(first);
 }
 
