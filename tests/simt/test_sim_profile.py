@@ -64,6 +64,19 @@ def test_coalesced_copy_is_4_sectors_per_request():
     assert rec["bytes_in_flight_per_cta"] == 256 * 4
 
 
+def test_vector_copy_is_16_sectors_per_request():
+    """8 bf16 per lane through common/vec.cuh: one 16-byte access per lane, as on the GPU
+    (not 8 two-byte accesses, as g++'s split struct copy would be)."""
+    n = 8 * 1024
+    x = torch.randn(n).bfloat16()
+    out, (rec,) = launches(lambda: torch.ops.headwise_sim_profile_test.copy_vec8(x))
+    assert torch.equal(out, x)
+    warps = n // 8 // 32
+    for kind in ("load", "store"):
+        assert rec[f"global_{kind}_requests"] == warps
+        assert rec[f"global_{kind}_sectors"] == rec[f"global_{kind}_sectors_ideal"] == 16 * warps
+
+
 def test_strided_copy_touches_a_sector_per_lane():
     stride, n_out = 32, 1024
     x = torch.arange(stride * n_out, dtype=torch.float32)
