@@ -218,13 +218,17 @@ def extensions():
 
 # g++ calls __asan_{load,store}*_noabort (defined by csrc/common/simt/simt_metrics.cpp)
 # before every memory access, and nothing else: no shadow memory, no stack or global
-# redzones. -g1: line tables, to name the source line of an access.
+# redzones. -g1: line tables, to name the source line of an access. -fno-gnu-unique: a
+# kernel template's `__shared__` (static thread_local) variable would otherwise be an
+# STB_GNU_UNIQUE symbol, which the dynamic linker binds to headwise._sim's copy when both
+# libraries are loaded; it must be this library's, where the metrics look for shared memory.
 PROFILE_INSTRUMENTATION = [
     "-fsanitize=kernel-address",
     "--param", "asan-instrumentation-with-call-threshold=0",
     "--param", "asan-stack=0",
     "--param", "asan-globals=0",
     "-g1",
+    "-fno-gnu-unique",
 ]
 
 

@@ -124,3 +124,17 @@ def test_profiled_ops_compute_what_headwise_sim_computes():
     # Every source row is read once: at least its bytes are unique loads.
     assert recs[0]["unique_load_bytes"] >= sources.numel() * 4
     assert recs[0]["barriers"] > 0
+
+
+def test_template_kernel_static_shared_is_shared():
+    """head_merge's tile kernels are templates with static __shared__ tiles, which both
+    emulated libraries instantiate: the profile library must count its own copies as
+    shared memory (setup.py: -fno-gnu-unique), with headwise._sim loaded too."""
+    z = torch.randn(1, 2, 32, 8)
+    w = torch.randn(64, 16)
+    y, recs = launches(lambda: PROFILE_OPS.head_merge(z, w))
+    assert torch.equal(y, backend("sim").head_merge(z, w))
+    (rec,) = [r for r in recs if r["kernel"] == "head_merge_fwd"]
+    assert rec["smem_requests"] > 0
+    # The only global stores are the output's (the tiles' stores are shared).
+    assert rec["global_store_bytes"] == y.numel() * y.element_size()
