@@ -121,7 +121,7 @@ struct State {
   std::vector<Lane> lanes;
   std::unordered_map<uint64_t, PcLane> pc_lane;
   std::unordered_map<RequestKey, Request, RequestKeyHash> pending;
-  uint64_t cta_load_sector_bytes = 0;
+  uint64_t cta_dram_load_bytes = 0;  // load sectors the launch had not loaded before, x 32
 };
 State g;
 
@@ -216,7 +216,8 @@ void account(const RequestKey& key, Request& r) {
         if (s == last_sector) continue;
         last_sector = s;
         ++units;
-        L.sectors_touched[key.store].insert(s);
+        // A load of a sector the launch has not loaded before comes from DRAM.
+        if (L.sectors_touched[key.store].insert(s).second && !key.store) S.cta_dram_load_bytes += kSectorBytes;
       }
     }
     const uint64_t ideal = (distinct_bytes + kSectorBytes - 1) / kSectorBytes;
@@ -224,7 +225,6 @@ void account(const RequestKey& key, Request& r) {
     L.global_sectors[key.store] += units;
     L.global_sectors_ideal[key.store] += ideal;
     L.global_bytes[key.store] += distinct_bytes;
-    if (!key.store) S.cta_load_sector_bytes += units * kSectorBytes;
   } else {
     int words_in_bank[kBanks] = {};
     uint64_t covered_to = 0, last_word = UINT64_MAX;
@@ -385,7 +385,7 @@ void block_begin(const unsigned char* dynamic_smem, size_t dynamic_smem_bytes, i
   g.lanes.assign(static_cast<size_t>(nthreads), Lane{});
   g.pc_lane.clear();
   g.pending.clear();
-  g.cta_load_sector_bytes = 0;
+  g.cta_dram_load_bytes = 0;
   g.in_block = true;
 }
 
@@ -400,8 +400,8 @@ void block_end() {
   flush_requests();
   Launch& L = *g.launch;
   L.ctas += 1;
-  // Bytes in flight: the CTA's load sectors spread over the mean number of load rounds
-  // of its threads that load.
+  // Bytes in flight toward DRAM: the CTA's first-touch load sectors (the rest are taken
+  // to hit in L2) spread over the mean number of load rounds of its threads that load.
   uint64_t rounds = 0, loading = 0;
   for (const Lane& lane : g.lanes)
     if (lane.load_rounds) {
@@ -409,7 +409,7 @@ void block_end() {
       ++loading;
     }
   if (loading) {
-    L.in_flight_sum += static_cast<double>(g.cta_load_sector_bytes) * static_cast<double>(loading) /
+    L.in_flight_sum += static_cast<double>(g.cta_dram_load_bytes) * static_cast<double>(loading) /
                        static_cast<double>(rounds);
     L.loading_ctas += 1;
   }

@@ -17,8 +17,10 @@ The estimate (estimate(), constants in H200 only) is the largest of
   l2    every sector of every request x 32 B / L2 bandwidth
   lat   Little's law: the HBM bandwidth scaled by min(1, bytes in flight on the GPU /
         (HBM bandwidth x latency)); bytes in flight = resident CTAs (registers from the
-        ptxas report, threads, shared memory; capped by the grid) x the bytes a CTA's
-        threads load per round (simt_metrics.cpp: between barriers, one loop iteration)
+        ptxas report, threads, shared memory; capped by the grid) x the DRAM bytes a
+        CTA's threads load per round (simt_metrics.cpp: sectors the launch had not
+        loaded before, per round = between barriers, one loop iteration; a later
+        iteration is assumed to wait for the earlier one, i.e. no unrolling)
   smem  shared-memory wavefronts / (SMs x 1 wavefront per clock)
   mma   mma.sync count x FLOPs per mma / mma.sync ceiling
   fp32  the kernel's share of the op's minimal FLOPs / FP32 ceiling (for kernels
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -97,7 +98,7 @@ def estimate(rec: dict, fp32_flops: float, gpu: GpuModel = H200) -> dict:
     terms = {
         "hbm": rec["unique_bytes"] / gpu.hbm_bytes_per_s,
         "l2": rec["l2_sectors"] * 32 / gpu.l2_bytes_per_s,
-        "lat": rec["unique_bytes"] / (gpu.hbm_bytes_per_s * share) if share > 0 else math.inf,
+        "lat": rec["unique_bytes"] / (gpu.hbm_bytes_per_s * share),
         "smem": rec["smem_wavefronts"] / (gpu.sms * gpu.smem_wavefronts_per_clock * gpu.clock_hz),
         "mma": rec["mma"] * gpu.flops_per_mma / gpu.mma_flops_per_s,
         "fp32": (fp32_flops if rec["mma"] == 0 else 0.0) / gpu.fp32_flops_per_s,
