@@ -7,11 +7,16 @@ Install with `pip install --no-build-isolation .` into an environment that has t
 Environment switches (SPEC section 1):
   HEADWISE_FORCE_CUDA=1   compile the CUDA kernels or fail (needs nvcc and a CUDA torch)
   HEADWISE_FORCE_CPU=1    CPU kernels only
-  HEADWISE_CUDA_ARCHS     semicolon/comma list of SM versions, default "90" (sm_90 + PTX)
+  HEADWISE_CUDA_ARCHS     semicolon/comma list of SM versions (e.g. "80;90;100"); default:
+                          TORCH_CUDA_ARCH_LIST when set, else the visible GPUs, else "8.0;9.0";
+                          PTX of the newest is always added
   HEADWISE_WERROR=1       treat warnings in headwise's sources as errors
   HEADWISE_PTXAS_VERBOSE=1  print ptxas register/spill reports
   HEADWISE_SANITIZE=1     CPU kernels and emulator with -fsanitize=address,undefined (implies
                           FORCE_CPU; run with libasan preloaded, see `make sanitize`)
+  HEADWISE_SIM_PROFILE=0  skip the profile library headwise._sim_profile (the emulated
+                          kernels instrumented to count memory accesses, for
+                          `python -m headwise.bench --sim-profile`; built by default)
   MAX_JOBS                parallel compile jobs (read by torch's ninja build)
 Without either FORCE switch, the CUDA kernels are built when nvcc is found and torch is
 a CUDA build.
@@ -87,14 +92,38 @@ def _want_cuda() -> bool:
     return have
 
 
+DEFAULT_CUDA_ARCHS = "8.0;9.0"
+
+
+def _cuda_arch_list() -> tuple[list[str], str]:
+    """SM versions to compile for ("80", "90a", ...) and where the list came from:
+    HEADWISE_CUDA_ARCHS, else TORCH_CUDA_ARCH_LIST, else the visible GPUs, else
+    DEFAULT_CUDA_ARCHS. Entries look like "9.0", "90", "sm_90", "9.0a" or "8.6+PTX" (the
+    "+PTX" is dropped: PTX of the newest is always added)."""
+    for var in ("HEADWISE_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST"):
+        if os.environ.get(var, "").strip():
+            text, origin = os.environ[var], var
+            break
+    else:
+        gpus = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}) \
+            if torch.cuda.is_available() else []
+        text, origin = (";".join(f"{major}.{minor}" for major, minor in gpus), "the visible GPUs") if gpus \
+            else (DEFAULT_CUDA_ARCHS, "the default")
+    archs = []
+    for entry in re.split(r"[;, ]+", text.strip()):
+        a = entry.replace("+PTX", "").replace("sm_", "").replace(".", "")
+        if not re.fullmatch(r"\d{2,3}[af]?", a):
+            sys.exit(f"headwise: {origin} entry {entry!r} is not an SM version such as 9.0, 90 or sm_90")
+        if a not in archs:
+            archs.append(a)
+    return archs, origin
+
+
 def _cuda_archs() -> list[str]:
-    archs = [a for a in re.split(r"[;, ]+", os.environ.get("HEADWISE_CUDA_ARCHS", "90")) if a]
-    flags = []
-    for a in archs:
-        a = a.replace("sm_", "").replace(".", "")
-        flags.append(f"-gencode=arch=compute_{a},code=sm_{a}")
+    archs, origin = _cuda_arch_list()
+    print(f"headwise: CUDA architectures {';'.join(archs)} (from {origin}) + PTX of the newest")
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     newest = max(archs, key=lambda a: int(re.sub(r"\D", "", a)))
-    newest = newest.replace("sm_", "").replace(".", "")
     flags.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")  # PTX for newer GPUs
     return flags
 
@@ -139,7 +168,9 @@ def extensions():
         openmp_link = openmp_link + sanitize
     cpu_sources = ["csrc/registration.cpp"] + _sources("*/*_cpu.cpp")
     # The emulated library: the emulator, its self-test kernels, and every *_sim.cpp.
-    sim_sources = ["csrc/register_sim.cpp"] + _sources("common/simt/*.cpp", "*/*_sim.cpp")
+    emulator = ["csrc/register_sim.cpp", "csrc/common/simt/simt_runtime.cpp", "csrc/common/simt/simt_metrics.cpp"]
+    sim_kernels = _sources("*/*_sim.cpp")
+    sim_sources = emulator + ["csrc/common/simt/simt_selftest.cpp"] + sim_kernels
 
     if with_cuda:
         nvcc = [
@@ -165,11 +196,65 @@ def extensions():
         op_lib = CppExtension("headwise._C", cpu_sources, extra_compile_args={"cxx": cxx},
                               extra_link_args=openmp_link)
     # Kernel sources carry `#pragma unroll` for nvcc, which the host compiler does not know.
-    sim_lib = CppExtension("headwise._sim", sim_sources,
-                           extra_compile_args={"cxx": cxx + ["-Wno-unknown-pragmas"]},
+    sim_cxx = cxx + ["-Wno-unknown-pragmas"]
+    sim_lib = CppExtension("headwise._sim", sim_sources, extra_compile_args={"cxx": sim_cxx},
                            extra_link_args=openmp_link)
-    print(f"headwise: building {'CPU + CUDA' if with_cuda else 'CPU'} op library and the emulated library")
-    return [op_lib, sim_lib]
+    libs = [op_lib, sim_lib]
+    # The profile library: the same emulated kernels, counting their memory accesses
+    # (csrc/common/simt/simt_metrics.h). Its emulator sources are compiled as usual, its
+    # kernel sources (instrumented_sources, see BuildExtensionWithInstrumentation) with
+    # PROFILE_INSTRUMENTATION. Not with HEADWISE_SANITIZE: the two instrumentations clash.
+    if os.environ.get("HEADWISE_SIM_PROFILE", "1") != "0" and not _flag("HEADWISE_SANITIZE"):
+        profile_cxx = sim_cxx + ["-DHW_SIM_PROFILE"]
+        profile_lib = CppExtension("headwise._sim_profile", emulator, extra_compile_args={"cxx": profile_cxx},
+                                   extra_link_args=openmp_link)
+        profile_lib.instrumented_sources = sim_kernels + ["csrc/common/simt/simt_metrics_selftest.cpp"]
+        profile_lib.depends = list(profile_lib.depends) + profile_lib.instrumented_sources
+        libs.append(profile_lib)
+    print(f"headwise: building {'CPU + CUDA' if with_cuda else 'CPU'} op library and the emulated librar"
+          + ("ies (plain and profile)" if len(libs) == 3 else "y"))
+    return libs
+
+
+# g++ calls __asan_{load,store}*_noabort (defined by csrc/common/simt/simt_metrics.cpp)
+# before every memory access, and nothing else: no shadow memory, no stack or global
+# redzones. -g1: line tables, to name the source line of an access. -fno-gnu-unique: a
+# kernel template's `__shared__` (static thread_local) variable would otherwise be an
+# STB_GNU_UNIQUE symbol, which the dynamic linker binds to headwise._sim's copy when both
+# libraries are loaded; it must be this library's, where the metrics look for shared memory.
+PROFILE_INSTRUMENTATION = [
+    "-fsanitize=kernel-address",
+    "--param", "asan-instrumentation-with-call-threshold=0",
+    "--param", "asan-stack=0",
+    "--param", "asan-globals=0",
+    "-g1",
+    "-fno-gnu-unique",
+]
+
+
+class BuildExtensionWithInstrumentation(BuildExtension):
+    """torch's BuildExtension, plus per-source flags for an extension that has
+    `instrumented_sources`: those are compiled with PROFILE_INSTRUMENTATION into a folder of
+    their own and linked in; the extension's other sources are compiled without it, into
+    another folder (the profile library shares source files with headwise._sim, built with
+    other flags)."""
+
+    def build_extension(self, ext):
+        instrumented = getattr(ext, "instrumented_sources", None)
+        if not instrumented:
+            return super().build_extension(ext)
+        args = ext.extra_compile_args
+        cxx = list(args["cxx"] if isinstance(args, dict) else args) + PROFILE_INSTRUMENTATION
+        ext.extra_objects = self.compiler.compile(
+            instrumented, output_dir=os.path.join(self.build_temp, ext.name + ".instrumented"),
+            macros=ext.define_macros, include_dirs=ext.include_dirs, debug=self.debug,
+            extra_postargs={"cxx": cxx} if isinstance(args, dict) else cxx, depends=ext.depends)
+        build_temp = self.build_temp
+        self.build_temp = os.path.join(build_temp, ext.name)
+        try:
+            return super().build_extension(ext)
+        finally:
+            self.build_temp = build_temp
 
 
 setup(
@@ -179,7 +264,7 @@ setup(
     package_dir={"": "python"},
     packages=find_packages("python"),
     ext_modules=extensions(),
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtensionWithInstrumentation},
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={"test": ["pytest", "hypothesis"], "integration": ["transformers"]},

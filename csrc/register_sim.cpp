@@ -1,5 +1,8 @@
 // The emulated op library: the CUDA kernels run by the SIMT emulator on CPU tensors,
 // registered as torch.ops.headwise_sim with the schemas of torch.ops.headwise.
+// Compiled a second time with HW_SIM_PROFILE for the profile library headwise._sim_profile
+// (setup.py): the same ops as torch.ops.headwise_sim_profile, whose kernels count their
+// memory accesses (common/simt/simt_metrics.h), plus the two ops that read the counts.
 #include "common/simt/simt.h"
 #include "dcmha/dcmha_ops.h"
 #include "gemm/gemm_ops.h"
@@ -11,7 +14,18 @@
 
 #include <ATen/Parallel.h>
 
+#include <string>
+
+#if defined(HW_SIM_PROFILE)
+HW_PYTHON_MODULE(_sim_profile)
+#define HW_SIM_LIBRARY headwise_sim_profile
+#else
 HW_PYTHON_MODULE(_sim)
+#define HW_SIM_LIBRARY headwise_sim
+#endif
+// TORCH_LIBRARY pastes its namespace argument: expand HW_SIM_LIBRARY first.
+#define HW_SIM_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define HW_SIM_TORCH_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 namespace {
 // Blocks of an emulated grid run in parallel on torch's intra-op thread pool.
@@ -21,9 +35,17 @@ void parallel_blocks(int64_t begin, int64_t end, const std::function<void(int64_
 const bool kParallelHookInstalled = (hw_sim::set_parallel_for(&parallel_blocks), true);
 }  // namespace
 
-TORCH_LIBRARY(headwise_sim, m) { headwise::define_schemas(m); }
+HW_SIM_TORCH_LIBRARY(HW_SIM_LIBRARY, m) {
+  headwise::define_schemas(m);
+#if defined(HW_SIM_PROFILE)
+  // Collection switch, and the launches recorded since the last call as a JSON list
+  // (fields: simt_metrics.h; python/headwise/bench/sim_profile.py reads them).
+  m.def("sim_profile_enable(bool on) -> ()", [](bool on) { hw_sim::metrics::set_enabled(on); });
+  m.def("sim_profile_take() -> str", []() { return hw_sim::metrics::take_json(); });
+#endif
+}
 
-TORCH_LIBRARY_IMPL(headwise_sim, CPU, m) {
+HW_SIM_TORCH_LIBRARY_IMPL(HW_SIM_LIBRARY, CPU, m) {
   m.impl("mhar_route", &headwise::mhar::route_sim);
   m.impl("mhar_route_backward", &headwise::mhar::route_backward_sim);
   m.impl("mhar_route_backward_into", &headwise::mhar::route_backward_into_sim);

@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace hw {
 
@@ -34,10 +35,54 @@ __device__ __forceinline__ void check_pack_alignment(const void* p) {
 #endif
 }
 
+#if HW_SIM
+// The emulator moves a pack as the GPU does: one access per 16 bytes (LDG/STG.128, .64,
+// ...). A plain struct copy would be split by g++ into per-element accesses, which the
+// profile library (simt/simt_metrics.h) would count as separate warp requests; a
+// volatile access of a vector type of the chunk's size cannot be split or merged.
+template <typename T, int VEC>
+struct PackChunks {
+  static constexpr int kBytes = static_cast<int>(sizeof(Pack<T, VEC>));
+  static constexpr int kChunk = kBytes < 16 ? kBytes : 16;
+  typedef unsigned char Chunk __attribute__((vector_size(kChunk), may_alias));
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_pack(const T* src) {
+  using C = PackChunks<T, VEC>;
+  Pack<T, VEC> pack;
+  for (int i = 0; i < C::kBytes / C::kChunk; ++i) {
+    const typename C::Chunk chunk = reinterpret_cast<const volatile typename C::Chunk*>(src)[i];
+    std::memcpy(reinterpret_cast<unsigned char*>(&pack) + i * C::kChunk, &chunk, C::kChunk);
+  }
+  return pack;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack(T* dst, const Pack<T, VEC>& pack) {
+  using C = PackChunks<T, VEC>;
+  for (int i = 0; i < C::kBytes / C::kChunk; ++i) {
+    typename C::Chunk chunk;
+    std::memcpy(&chunk, reinterpret_cast<const unsigned char*>(&pack) + i * C::kChunk, C::kChunk);
+    reinterpret_cast<volatile typename C::Chunk*>(dst)[i] = chunk;
+  }
+}
+#else
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_pack(const T* src) {
+  return *reinterpret_cast<const Pack<T, VEC>*>(src);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack(T* dst, const Pack<T, VEC>& pack) {
+  *reinterpret_cast<Pack<T, VEC>*>(dst) = pack;
+}
+#endif
+
 template <int VEC, typename T>
 __device__ __forceinline__ void load_as_float(const T* __restrict__ src, float (&dst)[VEC]) {
   check_pack_alignment<T, VEC>(src);
-  const Pack<T, VEC> pack = *reinterpret_cast<const Pack<T, VEC>*>(src);
+  const Pack<T, VEC> pack = load_pack<T, VEC>(src);
 #pragma unroll
   for (int k = 0; k < VEC; ++k) dst[k] = static_cast<float>(pack.v[k]);
 }
@@ -48,7 +93,7 @@ __device__ __forceinline__ void store_from_float(T* __restrict__ dst, const floa
   Pack<T, VEC> pack;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) pack.v[k] = static_cast<T>(src[k]);
-  *reinterpret_cast<Pack<T, VEC>*>(dst) = pack;
+  store_pack<T, VEC>(dst, pack);
 }
 
 }  // namespace hw

@@ -129,9 +129,6 @@ std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q
   const size_t smem = static_cast<size_t>(attn_smem_floats(static_cast<int>(s.heads), static_cast<int>(s.head_dim),
                                                            static_cast<int>(s.v_dim), kAttnThreads)) *
                       sizeof(float);
-  constexpr size_t kMaxSmem = 227 * 1024;
-  TORCH_CHECK_VALUE(smem <= kMaxSmem, "headwise.dcmha_attention: H * (dh + dv) is too large for the CUDA kernel's ",
-                    "shared memory (", smem, " bytes > ", kMaxSmem, ")");
   const at::OptionalDeviceGuard device_guard(q.device());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const at::Tensor w1f = w1.to(at::kFloat).contiguous(), w2f = w2.to(at::kFloat).contiguous(),
@@ -160,7 +157,7 @@ std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q
   dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [&](auto tag) {
     using T = decltype(tag);
     auto kernel = &dcmha_attention_fwd<T>;
-    hw::allow_dynamic_smem(kernel, kMaxSmem);
+    hw::allow_dynamic_smem("dcmha_attention", kernel, smem);
     HW_LAUNCH("dcmha_attention_fwd", kernel, dim3(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch)),
               dim3(kAttnThreads), smem, p);
   });
@@ -188,9 +185,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const size_t smem = static_cast<size_t>(attn_bwd_smem_floats(static_cast<int>(s.heads), static_cast<int>(s.head_dim),
                                                                static_cast<int>(s.v_dim), kAttnThreads)) *
                       sizeof(float);
-  constexpr size_t kMaxSmem = 227 * 1024;
-  TORCH_CHECK_VALUE(smem <= kMaxSmem, "headwise.dcmha_attention_backward: H * (dh + dv) is too large for the ",
-                    "CUDA kernel's shared memory (", smem, " bytes > ", kMaxSmem, ")");
   const at::OptionalDeviceGuard device_guard(q.device());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), dout = grad_out.contiguous();
   const at::Tensor st = stats.contiguous();
@@ -234,8 +228,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       using T = decltype(tag);
       auto kq = &dcmha_attention_bwd_query<T>;
       auto kk = &dcmha_attention_bwd_key<T>;
-      hw::allow_dynamic_smem(kq, kMaxSmem);
-      hw::allow_dynamic_smem(kk, kMaxSmem);
+      hw::allow_dynamic_smem("dcmha_attention_backward", kq, smem);
+      hw::allow_dynamic_smem("dcmha_attention_backward", kk, smem);
       HW_LAUNCH("dcmha_attention_bwd_query", kq, grid, dim3(kAttnThreads), smem, p);
       HW_LAUNCH("dcmha_attention_bwd_key", kk, grid, dim3(kAttnThreads), smem, p);
     });

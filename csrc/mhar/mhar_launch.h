@@ -75,13 +75,6 @@ inline Plan make_plan(const Shape& s, bool vec8) {
   return plan;
 }
 
-// The most dynamic smem a kernel layout can use (at d = kMaxDim). Opting each kernel in
-// to this one constant, rather than to each call's size, never lowers a limit that a
-// concurrent launch from another host thread relies on.
-inline size_t max_smem_bytes(HeadReduce mode, int vec) {
-  return static_cast<size_t>(smem_floats(mode, kMaxDim / vec)) * sizeof(float);
-}
-
 // Calls f(Config<T, VEC, ITEMS, MODE>{}) for the plan.
 template <typename T, typename F>
 void dispatch_plan(const Plan& plan, F&& f) {
@@ -176,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
     dispatch_plan<T>(plan, [&](auto cfg) {
       using C = decltype(cfg);
       auto kernel = &mhar_route_fwd_kernel<T, C::vec, C::items, C::mode>;
-      hw::allow_dynamic_smem(kernel, max_smem_bytes(C::mode, C::vec));
+      hw::allow_dynamic_smem("mhar_route", kernel, plan.smem_bytes);
       HW_LAUNCH("mhar_route_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.positions(), kMaxGrid))),
                 dim3(plan.threads), plan.smem_bytes, p);
     });
@@ -226,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
       dispatch_plan<T>(plan, [&](auto cfg) {
         using C = decltype(cfg);
         auto kernel = &mhar_route_bwd_kernel<T, G, C::vec, C::items, C::mode>;
-        hw::allow_dynamic_smem(kernel, max_smem_bytes(C::mode, C::vec));
+        hw::allow_dynamic_smem("mhar_route_backward", kernel, plan.smem_bytes);
         HW_LAUNCH("mhar_route_bwd", kernel, dim3(static_cast<unsigned>(blocks)),
                   dim3(plan.threads), plan.smem_bytes, p);
       });

@@ -13,6 +13,10 @@ from typing import NamedTuple, Optional
 import torch
 
 LIBRARIES = ("headwise", "headwise_sim")
+# The profile library: the ops of headwise_sim, with kernels that count their memory
+# accesses (python -m headwise.bench --sim-profile). Loaded only by load_profile_library().
+PROFILE_LIBRARY = "headwise_sim_profile"
+_registered: set[str] = set()
 
 
 def weights_dtype(sources: torch.Tensor) -> torch.dtype:
@@ -330,8 +334,9 @@ class Ops:
     ``headwise_sim``); see :func:`headwise.testing.backend`."""
 
     def __init__(self, ns: str = "headwise"):
-        if ns not in LIBRARIES:
-            raise ValueError(f"unknown op library {ns!r}; expected one of {LIBRARIES}")
+        if ns not in _registered:
+            raise ValueError(f"unknown op library {ns!r}; expected one of {sorted(_registered)}"
+                             + ("" if ns != PROFILE_LIBRARY else " (call headwise.ops.load_profile_library())"))
         self.ns = ns
         self._lib = getattr(torch.ops, ns)
 
@@ -541,12 +546,29 @@ def _register_sample_gemm(ns: str) -> None:
         return a.new_empty((a.shape[0], b.shape[0]))
 
 
+def _register_library(ns: str) -> None:
+    """Fake kernels and autograd for the ops of library ``ns``."""
+    _register(ns)
+    _register_qkv(ns)
+    _register_merge(ns)
+    _register_dcmha(ns)
+    _register_sample_gemm(ns)
+    _registered.add(ns)
+
+
 for _ns in LIBRARIES:
-    _register(_ns)
-    _register_qkv(_ns)
-    _register_merge(_ns)
-    _register_dcmha(_ns)
-    _register_sample_gemm(_ns)
+    _register_library(_ns)
+
+
+def load_profile_library() -> "Ops":
+    """Load headwise._sim_profile (built by setup.py unless HEADWISE_SIM_PROFILE=0) and
+    return the public functions bound to it. Its ops run the emulated kernels with every
+    memory access counted: slower than headwise_sim, for the profiler only."""
+    if PROFILE_LIBRARY not in _registered:
+        from . import _sim_profile  # noqa: F401  (registers torch.ops.headwise_sim_profile)
+
+        _register_library(PROFILE_LIBRARY)
+    return Ops(PROFILE_LIBRARY)
 
 DEFAULT_OPS = Ops("headwise")  # what modules use when no backend is given
 mhar_route = DEFAULT_OPS.mhar_route

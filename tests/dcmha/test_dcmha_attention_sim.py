@@ -100,3 +100,18 @@ def test_sim_backward_deterministic():
 
     for x, y in zip(run(), run()):
         assert torch.equal(x, y)
+
+
+def test_sim_refuses_launches_cuda_cannot_make():
+    # B goes on grid y, which CUDA caps at 65535 blocks.
+    b = 65536
+    q, k, v = (torch.zeros(b, 1, 1, 2) for _ in range(3))
+    with pytest.raises(ValueError, match=r"kernel 'dcmha_attention_fwd' needs a grid of \(1, 65536, 1\) blocks, "
+                                         r"beyond CUDA's limits \(2147483647, 65535, 65535\)"):
+        SIM.dcmha_attention(q, k, v, DCMHAWeights.zeros(b, 1, 1))
+    # Shared memory per block: (H*dh + 10*H + 2*H*128 + H*dv) floats = 241064 bytes at
+    # H = 1, dh = dv = 30000, over the emulated device's (sm_90's) opt-in limit.
+    q, k, v = (torch.zeros(1, 1, 1, 30000) for _ in range(3))
+    with pytest.raises(ValueError, match=r"headwise\.dcmha_attention: needs 241064 bytes of dynamic shared memory "
+                                         r"per block, more than this device's limit of 232448 bytes"):
+        SIM.dcmha_attention(q, k, v, DCMHAWeights.zeros(1, 1, 1))

@@ -557,6 +557,7 @@ inline long long clock64() { return hw_sim::detail::clock_now(); }
 // that sleep terminate. (Spin-waits without __nanosleep, or on other blocks, hang.)
 inline void __nanosleep(unsigned) { hw_sim::detail::yield_thread(); }
 
+#include "simt_metrics.h"
 #include "wmma.h"
 #include "primitives.h"
 

@@ -654,6 +654,12 @@ void Runner::start_block(const LaunchCtx& lc, dim3 idx, ClusterCtx* c, int rank)
   smem_used = lc.smem;
   async_word_owner.assign((lc.smem + 3) / 4, 0);
   async_landed_words.clear();
+#if defined(HW_SIM_PROFILE)
+  if (metrics::hooks::enabled()) {
+    metrics::hooks::block_begin(smem, lc.smem, n);
+    for (int i = 0; i < n; ++i) metrics::hooks::fiber_stack(i, stacks[i].lo, stacks[i].hi);
+  }
+#endif
 
   const dim3 bd = lc.block;
   if (tid_dim.x != bd.x || tid_dim.y != bd.y || tid_dim.z != bd.z) {
@@ -753,6 +759,10 @@ void Runner::run_block(const LaunchCtx& lc, int64_t b) {
     std::rethrow_exception(e);
   }
   if (alive > 0) throw SimtError(deadlock_message());
+#if defined(HW_SIM_PROFILE)
+  // Cluster launches are not profiled block by block (their CTAs interleave).
+  if (metrics::hooks::enabled()) metrics::hooks::block_end();
+#endif
 }
 
 // barrier.cluster reached by only some threads of the cluster: which CTAs' threads are
@@ -1057,6 +1067,9 @@ int block_barrier(int op, int pred) {
   Runner& R = current_runner(-1);
   R.bar_count += pred != 0;
   if (++R.arrived == R.n) {
+#if defined(HW_SIM_PROFILE)
+    metrics::hooks::barrier();
+#endif
     R.bar_result = R.bar_count;
     R.arrived = 0;
     R.bar_count = 0;
@@ -1337,10 +1350,21 @@ void launch_cluster(const char* kernel_name, dim3 grid, dim3 block, dim3 cluster
     }
   };
   ParallelFor pf = g_parallel_for.load();
+#if defined(HW_SIM_PROFILE)
+  // Collected metrics are filled by one thread: the blocks run one after another.
+  const bool profiling = metrics::hooks::enabled();
+  if (profiling) {
+    pf = nullptr;
+    metrics::hooks::launch_begin(lc.name, grid, block, dynamic_smem_bytes);
+  }
+#endif
   if (pf)
     pf(0, total, fn);
   else
     fn(0, total);
+#if defined(HW_SIM_PROFILE)
+  if (profiling) metrics::hooks::launch_end();
+#endif
   if (first) std::rethrow_exception(first);
 }
 

@@ -1,5 +1,6 @@
 """python -m headwise.bench [op ...] [--device cpu|cuda] [--dtype ...] [--repeats N] [--json FILE]
                            [--png FILE] [--quick] [--profile [--trace FILE]]
+python -m headwise.bench --sim-profile [op ...] [--json FILE]
 
 Prints, per op and mode, the median time of the eager reference, of torch.compile of the
 reference, and of headwise, with the speedups of headwise over both, the bytes saved for
@@ -12,6 +13,11 @@ torch.profiler, writing a Chrome trace (--trace); on CUDA also between
 cudaProfilerStart/Stop with NVTX ranges per aten op, for
 `nsys profile --capture-range=cudaProfilerApi python -m headwise.bench --profile ...`.
 headwise's own ranges (headwise::<op>) and kernel names are always present.
+
+--sim-profile runs no timing: it counts the emulated CUDA kernels' memory accesses
+(global sectors per request, unique bytes, shared-memory wavefronts, barriers, ...) and
+prints an H200 estimate from them (headwise.bench.sim_profile); ops: mhar, qkv, merge,
+dcmha_compose, dcmha.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import sys
 
 import torch
 
-from . import chart, dcmha, merge, mhar, model, qkv
+from . import chart, dcmha, merge, mhar, model, qkv, sim_profile
 
 # name -> module with run(device, dtype, repeats, shape=None) -> list[Row] and QUICK_SHAPE
 BENCHMARKS = {"mhar": mhar, "qkv": qkv, "merge": merge, "dcmha": dcmha, "model": model}
@@ -65,7 +71,8 @@ def format_table(rows) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m headwise.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ops", nargs="*", default=list(BENCHMARKS), help=f"ops to run: {', '.join(BENCHMARKS)}")
+    p.add_argument("ops", nargs="*", default=None, help=f"ops to run: {', '.join(BENCHMARKS)} "
+                   f"(with --sim-profile: {', '.join(sim_profile.OPS)})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="default: fp32 on CPU, bf16 on CUDA")
@@ -76,7 +83,16 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="few fixed iterations under the profilers")
     p.add_argument("--trace", metavar="FILE", default="headwise_trace.json",
                    help="Chrome trace written by --profile (default: %(default)s)")
+    p.add_argument("--sim-profile", action="store_true",
+                   help="emulated memory metrics and an H200 estimate instead of timings")
     args = p.parse_args(argv)
+    if args.sim_profile:
+        ops = args.ops or list(sim_profile.OPS)
+        unknown = [o for o in ops if o not in sim_profile.OPS]
+        if unknown:
+            p.error(f"unknown op(s) {unknown}; --sim-profile knows {list(sim_profile.OPS)}")
+        return sim_profile.main(ops, args.json)
+    args.ops = args.ops or list(BENCHMARKS)
     unknown = [o for o in args.ops if o not in BENCHMARKS]
     if unknown:
         p.error(f"unknown op(s) {unknown}; choose from {list(BENCHMARKS)}")

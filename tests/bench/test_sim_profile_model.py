@@ -1,0 +1,133 @@
+"""The H200 estimate model of headwise.bench.sim_profile and the ptxas report parser, on
+hand-made inputs (the emulated counts themselves: tests/simt/test_sim_profile.py)."""
+
+import pytest
+
+from headwise.bench import ptxas
+from headwise.bench.sim_profile import H200, OPS, ctas_per_sm, estimate
+
+REPORT = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'void headwise::mhar::mhar_route_fwd_kernel<c10::BFloat16, 8, 1, 0>(headwise::mhar::FwdParams)' for 'sm_90'
+ptxas info    : Function properties for void headwise::mhar::mhar_route_fwd_kernel<c10::BFloat16, 8, 1, 0>(headwise::mhar::FwdParams)
+0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 100 registers, used 1 barriers, 432 bytes cmem[0]
+ptxas info    : Compiling entry function 'void headwise::mhar::mhar_route_fwd_kernel<c10::BFloat16, 8, 1, 1>(headwise::mhar::FwdParams)' for 'sm_90'
+ptxas info    : Function properties for void headwise::mhar::mhar_route_fwd_kernel<c10::BFloat16, 8, 1, 1>(headwise::mhar::FwdParams)
+0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 96 registers, used 1 barriers, 432 bytes cmem[0]
+ptxas info    : Compiling entry function 'void headwise::mhar::mhar_route_fwd_kernel<float, 1, 4, 0>(headwise::mhar::FwdParams)' for 'sm_90'
+ptxas info    : Function properties for void headwise::mhar::mhar_route_fwd_kernel<float, 1, 4, 0>(headwise::mhar::FwdParams)
+112 bytes stack frame, 112 bytes spill stores, 180 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 432 bytes cmem[0]
+ptxas info    : Compiling entry function 'void headwise::merge::head_merge_fwd_kernel<c10::BFloat16>(headwise::merge::FwdParams)' for 'sm_90'
+ptxas info    : Function properties for void headwise::merge::head_merge_fwd_kernel<c10::BFloat16>(headwise::merge::FwdParams)
+0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 58 registers, used 1 barriers, 16384 bytes smem, 400 bytes cmem[0]
+ptxas info    : Compiling entry function 'headwise::mhar::mhar_param_grad_reduce_kernel(const float *, int)' for 'sm_90'
+ptxas info    : Used 30 registers, used 0 barriers, 400 bytes cmem[0]
+"""
+
+
+def test_ptxas_parse_and_lookup():
+    reports = ptxas.parse(REPORT)
+    assert [r.name for r in reports] == ["mhar_route_fwd_kernel"] * 3 + ["head_merge_fwd_kernel",
+                                                                         "mhar_param_grad_reduce_kernel"]
+    spill = reports[2]
+    assert (spill.registers, spill.stack, spill.spill_stores, spill.spill_loads) == (64, 112, 112, 180)
+    assert reports[3].static_smem == 16384 and reports[3].registers == 58
+    # The bf16 instantiation with the most registers; a kernel not templated on the dtype.
+    assert ptxas.lookup(reports, "mhar_route_fwd", "bfloat16").registers == 100
+    assert ptxas.lookup(reports, "mhar_route_fwd", "float32").registers == 64
+    assert ptxas.lookup(reports, "mhar_param_grad_reduce", "bfloat16").registers == 30
+    assert ptxas.lookup(reports, "head_merge_bwd_dz", "bfloat16") is None
+
+
+def test_ctas_per_sm():
+    # 512 threads x 100 registers: 3200 registers per warp (a multiple of 256), 20 warps
+    # fit in 65536, a CTA needs 16: one CTA.
+    assert ctas_per_sm(512, 100, 0) == 1
+    assert ctas_per_sm(512, 64, 0) == 2       # 2048 threads per SM
+    assert ctas_per_sm(128, 64, 0) == 8       # registers: 64 warps / 4
+    assert ctas_per_sm(128, None, 0) == 16    # threads only
+    assert ctas_per_sm(128, 56, 66_800) == 3  # (66800 + 1024 reserved) x 3 <= 228 KiB
+    assert ctas_per_sm(32, 16, 0) == H200.max_ctas_per_sm
+
+
+def record(**kw):
+    rec = dict(ctas=10_000, ctas_per_sm=1, bytes_in_flight_per_cta=0.0, unique_bytes=0, l2_sectors=0,
+               smem_wavefronts=0, mma=0)
+    rec.update(kw)
+    return rec
+
+
+def test_estimate_terms():
+    gb = 4.1e9  # 1 ms of HBM at 4.1 TB/s
+    # Enough bytes in flight: the HBM term binds.
+    e = estimate(record(unique_bytes=gb, bytes_in_flight_per_cta=64 * 1024), 0.0)
+    assert e["est_bound"] == "hbm" and e["est_us"] == pytest.approx(1000.0)
+    # A quarter of the bytes in flight that the latency needs: four times the HBM time.
+    need_per_sm = H200.bytes_in_flight_needed / H200.sms
+    e = estimate(record(unique_bytes=gb, bytes_in_flight_per_cta=need_per_sm / 4), 0.0)
+    assert e["est_bound"] == "lat" and e["est_us"] == pytest.approx(4000.0)
+    assert e["bytes_in_flight_per_sm"] == pytest.approx(need_per_sm / 4)
+    # The grid caps the resident CTAs: 33 CTAs of 4 x the per-SM need = the GPU's need.
+    e = estimate(record(ctas=33, unique_bytes=gb, bytes_in_flight_per_cta=4 * need_per_sm), 0.0)
+    assert e["hbm_share"] == pytest.approx(1.0)
+    # FP32 and shared-memory terms.
+    e = estimate(record(), 67e9)
+    assert e["est_bound"] == "fp32" and e["est_us"] == pytest.approx(1000.0)
+    wavefronts = H200.sms * H200.clock_hz * 1e-3
+    e = estimate(record(smem_wavefronts=wavefronts), 0.0)
+    assert e["est_bound"] == "smem" and e["est_us"] == pytest.approx(1000.0)
+
+
+@pytest.mark.parametrize("key", list(OPS))
+def test_op_specs_fit_exactly(key):
+    """As many profiled shapes as basis functions, and the basis is invertible on them."""
+    import numpy as np
+
+    spec = OPS[key]
+    a = np.array([spec.basis(s) for s in spec.shapes])
+    assert a.shape == (len(spec.shapes), len(spec.shapes))
+    assert np.linalg.matrix_rank(a) == len(spec.shapes)
+    assert set(spec.min_bytes(spec.target)) == set(spec.flops(spec.target))
+
+
+REQUIRED = ["kernel", "op", "shape", "dtype", "global_load_requests", "global_load_sectors",
+            "global_load_sectors_ideal", "global_store_requests", "global_store_sectors",
+            "global_store_sectors_ideal", "unique_bytes", "l2_sectors", "smem_requests", "smem_wavefronts", "mma",
+            "ldmatrix", "cp_async_bytes", "barriers", "ctas_per_sm", "bytes_in_flight_per_sm", "min_bytes",
+            "min_flops", "est_us", "est_bound"]
+
+
+def test_sim_profile_cli_json(tmp_path, monkeypatch, capsys):
+    """The --sim-profile path end to end, on MHAR at tiny shapes (fitted to a small target)."""
+    import dataclasses
+    import importlib.util
+    import json
+
+    from headwise.bench import __main__ as bench_main
+    from headwise.bench import sim_profile
+
+    if importlib.util.find_spec("headwise._sim_profile") is None:
+        pytest.skip("headwise._sim_profile not built")
+    tiny = dataclasses.replace(sim_profile.OPS["mhar"], shapes=[dict(N=3, B=1, T=t, d=64, H=4) for t in (2, 3)],
+                               target=dict(N=3, B=2, T=8, d=64, H=4))
+    monkeypatch.setitem(sim_profile.OPS, "mhar", tiny)
+    out = tmp_path / "p.json"
+    assert bench_main.main(["--sim-profile", "mhar", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ESTIMATE" in text and "mhar_route_fwd" in text
+    data = json.loads(out.read_text())
+    assert data["gpu_model"]["hbm_bytes_per_s"] == sim_profile.H200.hbm_bytes_per_s
+    kernels = {(r["op"], r["kernel"]) for r in data["launches"]}
+    assert kernels == {("mhar_route fwd", "mhar_route_fwd"), ("mhar_route bwd", "mhar_route_bwd"),
+                       ("mhar_route bwd", "mhar_param_grad_reduce")}
+    for rec in data["launches"] + data["targets"]:
+        assert not [k for k in REQUIRED if k not in rec], rec["kernel"]
+        assert rec["est_us"] > 0 and rec["shape"]["d"] == 64
+    fwd = next(r for r in data["targets"] if r["kernel"] == "mhar_route_fwd")
+    # The fit at B*T = 16 positions: each source row read once, so at least N*B*T*d*2 bytes.
+    assert fwd["shape"]["T"] == 8 and fwd["ctas"] == 16
+    assert fwd["unique_load_bytes"] >= 3 * 16 * 64 * 2
