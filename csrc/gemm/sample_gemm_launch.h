@@ -53,7 +53,7 @@ at::Tensor HW_BACKEND_ENTRY(sample_gemm)(const at::Tensor& a, const at::Tensor& 
   auto launch = [&](auto tag) {
     using T = decltype(tag);
     auto kernel = &sample_gemm_kernel<T>;
-    hw::allow_dynamic_smem(kernel, kSmemBytes);
+    hw::allow_dynamic_smem("sample_gemm", kernel, kSmemBytes);
     HW_LAUNCH("sample_gemm", kernel, grid, dim3(kThreads), kSmemBytes, static_cast<const T*>(ap.data_ptr()),
               static_cast<const T*>(bp.data_ptr()), static_cast<T*>(c.data_ptr()), static_cast<int>(M),
               static_cast<int>(N), static_cast<int>(k_padded));
