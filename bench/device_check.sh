@@ -5,12 +5,14 @@
 # builds headwise in place against that machine's torch (sm_90 + PTX, ptxas reports kept),
 # runs the primitive self-tests (mma.sync / ldmatrix / cp.async / cluster lane maps: the
 # only check of the emulator's fragment maps against real hardware) and the sample GEMM,
-# the other CUDA tests, compute-sanitizer memcheck and racecheck on small cases, then the
-# GPU benchmarks. Each stage has its own time limit, cut further by what is left of one
+# the other CUDA tests, compute-sanitizer memcheck and racecheck on small cases, the
+# emulator's H200 estimates beside the measured times (python -m headwise.bench.calibrate),
+# then the GPU benchmarks. Each stage has its own time limit, cut further by what is left of one
 # 9-minute budget for the whole script (a stage with under 15 s left is skipped); a
 # failing stage is reported and the next one still runs. Everything lands in
 # RESULTS_DIR (default ./device_results): device_check.log, build.log, ptxas.txt,
-# primitive_tests.xml, cuda_tests.xml, sanitizer_*.log, bench_{mhar,qkv,merge,dcmha}.json.
+# primitive_tests.xml, cuda_tests.xml, sanitizer_*.log, calibration.json,
+# bench_{mhar,qkv,merge,dcmha}.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-device_results}
@@ -37,7 +39,7 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 
 stage "build (sm_90 + PTX, in place)"
 rm -rf build python/headwise/_C*.so python/headwise/_sim*.so
-if HEADWISE_FORCE_CUDA=1 HEADWISE_PTXAS_VERBOSE=1 HEADWISE_CUDA_ARCHS="${HEADWISE_CUDA_ARCHS:-90}" \
+if HEADWISE_FORCE_CUDA=1 HEADWISE_SIM_PROFILE=0 HEADWISE_PTXAS_VERBOSE=1 HEADWISE_CUDA_ARCHS="${HEADWISE_CUDA_ARCHS:-90}" \
    MAX_JOBS=$(nproc) timeout "$(cap 240)" $PY setup.py build_ext --inplace > "$OUT_DIR/build.log" 2>&1; then
   grep -E "ptxas info|bytes stack frame|spill" "$OUT_DIR/build.log" > "$OUT_DIR/ptxas.txt" || true
   echo "ptxas: $(grep -c 'Used' "$OUT_DIR/ptxas.txt") kernel reports; spills:"
@@ -73,6 +75,9 @@ for tool in memcheck racecheck; do
     $PY bench/sanitize_cases.py > "$OUT_DIR/sanitizer_$tool.log" 2>&1
   tail -3 "$OUT_DIR/sanitizer_$tool.log"
 done
+
+stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
+run_capped 90 "calibrate" $PY -m headwise.bench.calibrate --json "$OUT_DIR/calibration.json"
 
 stage "GPU benchmarks"
 run_capped 90 "bench mhar" $PY -m headwise.bench mhar --device cuda --json "$OUT_DIR/bench_mhar.json"

@@ -131,3 +131,28 @@ def test_sim_profile_cli_json(tmp_path, monkeypatch, capsys):
     # The fit at B*T = 16 positions: each source row read once, so at least N*B*T*d*2 bytes.
     assert fwd["shape"]["T"] == 8 and fwd["ctas"] == 16
     assert fwd["unique_load_bytes"] >= 3 * 16 * 64 * 2
+
+
+def test_each_op_marks_before_forward_and_backward():
+    # headwise.bench.calibrate times a phase between two take() marks: every run function
+    # takes once before its op, then once after each phase, in order (checked on the CPU
+    # kernels at the smallest profiled shape).
+    from headwise.bench.calibrate import estimates_by_phase
+    from headwise.bench.sim_profile import OPS
+    from headwise.testing import backend
+
+    for key, spec in OPS.items():
+        marks = []
+
+        def take():
+            marks.append(len(marks))
+            return marks[-1]
+
+        shape = min(spec.shapes, key=lambda s: sorted(s.values()))
+        phases = spec.run(backend("cpu"), shape, take, "cpu")
+        assert list(phases.values()) == list(range(1, len(marks))), key
+    targets = [dict(op="mhar_route fwd", kernel="a", est_us=2.0, est_bound="hbm"),
+               dict(op="mhar_route bwd", kernel="b", est_us=3.0, est_bound="lat"),
+               dict(op="mhar_route bwd", kernel="c", est_us=4.0, est_bound="hbm")]
+    est = estimates_by_phase(targets)
+    assert est[("mhar_route", "fwd")][0] == 2.0 and est[("mhar_route", "bwd")][0] == 7.0

@@ -124,7 +124,8 @@ class OpSpec:
     shapes: list[dict]           # profiled shapes (small)
     target: dict                 # GPU_REVIEW.md shape
     basis: Callable[[dict], list[float]]  # monomials the counts are fitted on (len == len(shapes))
-    run: Callable                # run(ops, shape, take) -> {phase: [launch records]}
+    run: Callable                # run(ops, shape, take, device="cpu") -> {phase: take()'s result}:
+    #                              take() is called before the op, after its forward, after its backward
     min_bytes: Callable[[dict], dict]     # shape -> {phase: bytes}
     flops: Callable[[dict], dict]         # shape -> {phase: {kernel: FLOPs}}
     gemm: Callable[[dict], dict] | None = None  # shape -> {phase: (FLOPs, bytes)} of cuBLAS GEMMs
@@ -141,17 +142,25 @@ def _randn(gen, *shape, scale=1.0):
     return (scale * torch.randn(*shape, generator=gen)).to(torch.bfloat16)
 
 
+def _leaf(t, device):
+    """An input that takes gradients, on `device` (made on the CPU from the seeded generator,
+    so every device sees the same values)."""
+    return t.to(device).requires_grad_()
+
+
 # MHAR (SPEC 4): sources [N, B, T, d], H heads. Per source element the forward does the
 # RMS sum of squares, the logit dot product and the weighted sum (3 FMAs = 6 FLOPs); the
 # backward's two passes ~6 FMAs (12 FLOPs).
-def _mhar_run(ops, s, take):
+def _mhar_run(ops, s, take, device="cpu"):
     gen = _gen()
-    sources = _randn(gen, s["N"], s["B"], s["T"], s["d"]).requires_grad_()
-    query = (0.3 * torch.randn(s["d"], generator=gen)).requires_grad_()
-    norm_weight = torch.ones(s["d"], requires_grad=True)
+    sources = _leaf(_randn(gen, s["N"], s["B"], s["T"], s["d"]), device)
+    query = _leaf(0.3 * torch.randn(s["d"], generator=gen), device)
+    norm_weight = _leaf(torch.ones(s["d"]), device)
+    grad = _randn(gen, s["B"], s["T"], s["d"]).to(device)
+    take()
     out = ops.mhar_route(sources, query, norm_weight, num_heads=s["H"])
     fwd = take()
-    out.backward(_randn(gen, s["B"], s["T"], s["d"]))
+    out.backward(grad)
     return {"fwd": fwd, "bwd": take()}
 
 
@@ -174,18 +183,22 @@ def _qkv_layout(s):
     return headwise.QKVLayout(s["Hq"], s["Hkv"], s["dh"])
 
 
-def _qkv_run(ops, s, take):
+def _qkv_run(ops, s, take, device="cpu"):
     from .qkv import rope_tables
 
     gen = _gen()
     layout = _qkv_layout(s)
-    x = _randn(gen, s["B"], s["S"], s["D"]).requires_grad_()
-    w = _randn(gen, layout.num_rows, s["D"], scale=s["D"] ** -0.5).requires_grad_()
-    qn, kn = (_randn(gen, s["dh"], scale=0.1).add(1).requires_grad_() for _ in range(2))
-    rope = tuple(t.to(torch.bfloat16) for t in rope_tables(s["S"], s["dh"], "cpu"))
+    x = _leaf(_randn(gen, s["B"], s["S"], s["D"]), device)
+    w = _leaf(_randn(gen, layout.num_rows, s["D"], scale=s["D"] ** -0.5), device)
+    qn, kn = (_leaf(_randn(gen, s["dh"], scale=0.1).add(1), device) for _ in range(2))
+    rope = tuple(t.to(device=device, dtype=torch.bfloat16) for t in rope_tables(s["S"], s["dh"], "cpu"))
+    heads = {"q": s["Hq"], "k": s["Hkv"], "v": s["Hkv"]}
+    grads = [torch.randn(s["B"], heads[n], s["S"], s["dh"], generator=gen).to(device=device, dtype=torch.bfloat16)
+             for n in ("q", "k", "v")]
+    take()
     outs = ops.qkv_project(x, w, None, layout=layout, q_norm=qn, k_norm=kn, rope=rope, scale_q=s["dh"] ** -0.5)
     fwd = take()
-    torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen).to(torch.bfloat16) for o in outs])
+    torch.autograd.backward(outs, grads)
     return {"fwd": fwd, "bwd": take()}
 
 
@@ -215,19 +228,21 @@ def _qkv_gemm(s):
 # Head merge (SPEC 3): z [B, H, Q, Dv] head-major, W_O [D, H*Dv], bias; "stats" also
 # returns the per-head norms. fwd: 2*B*Q*H*Dv*D FLOPs (stats: the per-head products are the
 # same FMAs); bwd: dZ and dW, twice that.
-def _merge_tensors(s, gen):
-    z = _randn(gen, s["B"], s["H"], s["Q"], s["Dv"]).requires_grad_()
-    w = _randn(gen, s["D"], s["H"] * s["Dv"], scale=(s["H"] * s["Dv"]) ** -0.5).requires_grad_()
-    bias = _randn(gen, s["D"], scale=0.1).requires_grad_()
+def _merge_tensors(s, gen, device):
+    z = _leaf(_randn(gen, s["B"], s["H"], s["Q"], s["Dv"]), device)
+    w = _leaf(_randn(gen, s["D"], s["H"] * s["Dv"], scale=(s["H"] * s["Dv"]) ** -0.5), device)
+    bias = _leaf(_randn(gen, s["D"], scale=0.1), device)
     return z, w, bias
 
 
-def _merge_run(ops, s, take):
+def _merge_run(ops, s, take, device="cpu"):
     gen = _gen()
-    z, w, bias = _merge_tensors(s, gen)
+    z, w, bias = _merge_tensors(s, gen, device)
+    grad = _randn(gen, s["B"], s["Q"], s["D"]).to(device)
+    take()
     y = ops.head_merge(z, w, bias)
     fwd = take()
-    y.backward(_randn(gen, *y.shape))
+    y.backward(grad)
     bwd = take()
     ops.head_merge(z.detach(), w.detach(), bias.detach(), return_stats=True)
     return {"fwd": fwd, "bwd": bwd, "stats": take()}
@@ -252,7 +267,7 @@ def _merge_flops(s):
 COMPOSE_FLOPS = 20
 
 
-def _dcmha_weights(s, gen):
+def _dcmha_weights(s, gen, device):
     import headwise
 
     b, t, h = s["B"], s["T"], s["H"]
@@ -260,24 +275,30 @@ def _dcmha_weights(s, gen):
     w1 = w1 * torch.rsqrt(w1.square().mean(-1, keepdim=True) + 1e-6)
     w2 = 0.1 * torch.randn(b, t, 4, 2, h, generator=gen) / h
     g = 0.1 * torch.randn(b, t, 4, h, generator=gen)
-    return headwise.DCMHAWeights(*(x.to(torch.bfloat16).requires_grad_() for x in (w1, w2, g)))
+    return headwise.DCMHAWeights(*(_leaf(x.to(torch.bfloat16), device) for x in (w1, w2, g)))
 
 
-def _compose_run(ops, s, take):
+def _compose_run(ops, s, take, device="cpu"):
     gen = _gen()
-    a = _randn(gen, s["B"], s["H"], s["T"], s["T"]).requires_grad_()
-    out = ops.dcmha_compose(a, _dcmha_weights(s, gen), "pre")
+    a = _leaf(_randn(gen, s["B"], s["H"], s["T"], s["T"]), device)
+    weights = _dcmha_weights(s, gen, device)
+    grad = _randn(gen, s["B"], s["H"], s["T"], s["T"]).to(device)
+    take()
+    out = ops.dcmha_compose(a, weights, "pre")
     fwd = take()
-    out.backward(_randn(gen, *out.shape))
+    out.backward(grad)
     return {"fwd": fwd, "bwd": take()}
 
 
-def _attention_run(ops, s, take):
+def _attention_run(ops, s, take, device="cpu"):
     gen = _gen()
-    q, k, v = (_randn(gen, s["B"], s["H"], s["T"], s["dh"]).requires_grad_() for _ in range(3))
-    out = ops.dcmha_attention(q, k, v, _dcmha_weights(s, gen))
+    q, k, v = (_leaf(_randn(gen, s["B"], s["H"], s["T"], s["dh"]), device) for _ in range(3))
+    weights = _dcmha_weights(s, gen, device)
+    grad = _randn(gen, s["B"], s["H"], s["T"], s["dh"]).to(device)
+    take()
+    out = ops.dcmha_attention(q, k, v, weights)
     fwd = take()
-    out.backward(_randn(gen, *out.shape))
+    out.backward(grad)
     return {"fwd": fwd, "bwd": take()}
 
 
