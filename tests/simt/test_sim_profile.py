@@ -142,13 +142,13 @@ def test_template_kernel_static_shared_is_shared():
 
 def test_sample_gemm_counts_one_mma_per_warp_instruction():
     # The tensor-core primitives note their work once per warp instruction
-    # (csrc/common/simt/primitives.h): a 64 x 64 x 64 GEMM is (64/16) (64/8) (64/16) = 128
-    # m16n8k16 MMAs, and every A and B element reaches shared memory through cp.async
-    # (at least once: 2 x 64 x 64 bf16 = 16 KiB).
-    a = torch.randn(64, 64, dtype=torch.bfloat16)
-    b = torch.randn(64, 64, dtype=torch.bfloat16)
+    # (csrc/common/simt/primitives.h): a 128 x 128 x 64 GEMM, exactly one 128 x 128 CTA tile
+    # of sample_gemm, is (128/16) (128/8) (64/16) = 512 m16n8k16 MMAs, and every A and B
+    # element reaches shared memory through cp.async (2 x 128 x 64 bf16 = 32 KiB).
+    a = torch.randn(128, 64, dtype=torch.bfloat16)
+    b = torch.randn(128, 64, dtype=torch.bfloat16)
     out, recs = launches(lambda: torch.ops.headwise_sim_profile.sample_gemm(a, b))
     torch.testing.assert_close(out.float(), a.float() @ b.float().T, rtol=1e-2, atol=1e-2)
     (rec,) = [r for r in recs if r["mma"] > 0]
-    assert rec["mma"] == 128
-    assert rec["ldmatrix"] > 0 and rec["cp_async_bytes"] >= 2 * 64 * 64 * 2
+    assert rec["mma"] == 512
+    assert rec["ldmatrix"] > 0 and rec["cp_async_bytes"] == 2 * 128 * 64 * 2

@@ -373,13 +373,15 @@ void launch_end() {
   g.launch.reset();
 }
 
-void block_begin(const unsigned char* dynamic_smem, size_t dynamic_smem_bytes, int nthreads) {
+void block_begin(const unsigned char* dynamic_smem, size_t dynamic_smem_bytes, int nthreads, const dim3& block) {
   if (!g.launch) return;
   if (g.tls_hi == 0) module_tls_range(g.tls_lo, g.tls_hi);
   g.smem_lo = reinterpret_cast<uintptr_t>(dynamic_smem);
   g.smem_hi = g.smem_lo + dynamic_smem_bytes;
-  g.bdx = blockDim.x;
-  g.bdxy = blockDim.x * blockDim.y;
+  // The launch's block shape, passed in: the runtime sets the blockDim variable only when
+  // the block's threads start running.
+  g.bdx = block.x;
+  g.bdxy = block.x * block.y;
   g.stack_lo.assign(static_cast<size_t>(nthreads), 0);
   g.stack_hi.assign(static_cast<size_t>(nthreads), 0);
   g.lanes.assign(static_cast<size_t>(nthreads), Lane{});

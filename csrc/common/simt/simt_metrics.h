@@ -62,7 +62,7 @@ void launch_begin(const char* name, const dim3& grid, const dim3& block, size_t 
 void launch_end();
 // The block's dynamic shared buffer and the fiber stack [lo, hi) of each of its threads
 // (indexed by linear thread id), set before any thread runs.
-void block_begin(const unsigned char* dynamic_smem, size_t dynamic_smem_bytes, int nthreads);
+void block_begin(const unsigned char* dynamic_smem, size_t dynamic_smem_bytes, int nthreads, const dim3& block);
 void fiber_stack(int thread, const void* lo, const void* hi);
 void block_end();
 void barrier();  // a block-wide barrier completed

@@ -656,7 +656,7 @@ void Runner::start_block(const LaunchCtx& lc, dim3 idx, ClusterCtx* c, int rank)
   async_landed_words.clear();
 #if defined(HW_SIM_PROFILE)
   if (metrics::hooks::enabled()) {
-    metrics::hooks::block_begin(smem, lc.smem, n);
+    metrics::hooks::block_begin(smem, lc.smem, n, lc.block);
     for (int i = 0; i < n; ++i) metrics::hooks::fiber_stack(i, stacks[i].lo, stacks[i].hi);
   }
 #endif
