@@ -6,6 +6,8 @@ per kernel instantiation, for the occupancy term of the emulator's H200 estimate
         compiles every csrc/*/*_cuda.cu with `nvcc -Xptxas -v` for the archs (one nvcc call
         per file, warnings as errors, the object discarded) and writes
         OUT_DIR/ptxas_sm<arch>.txt per arch: ptxas's report with the kernel names demangled.
+    python -m headwise.bench.ptxas --family merge --arch 80 --arch 90 --out-dir /tmp/p
+        the same for the named op families only (csrc/merge/ here), for a quick check.
     python -m headwise.bench.ptxas --from-log BUILD_LOG [--out-dir bench]
         the same report taken from the output of a build with HEADWISE_PTXAS_VERBOSE=1
         (.ci/run keeps the CI build's report this way), one file per arch found.
@@ -113,13 +115,14 @@ def _keep(text: str) -> str:
 
 def _write(arch: str, body: str, command: str, directory: str) -> str:
     path = os.path.join(directory, f"ptxas_sm{arch}.txt")
+    os.makedirs(directory, exist_ok=True)
     with open(path, "w") as f:
         f.write(f"# ptxas -v report for sm_{arch}, made by: {command}\n")
         f.write(body)
     return path
 
 
-def _nvcc_report(archs: list[str]) -> str:
+def _nvcc_report(archs: list[str], families: list[str] | None = None) -> str:
     """ptxas -v output of every csrc/*/*_cuda.cu compiled for `archs` in one nvcc call per
     file, with setup.py's flags for the CUDA kernels (warnings as errors included)."""
     import sysconfig
@@ -141,6 +144,8 @@ def _nvcc_report(archs: list[str]) -> str:
     flags += [f for p in includes for f in ("-isystem", p)]
     text = ""
     for source in sorted(glob.glob(os.path.join(REPO, "csrc", "*", "*_cuda.cu"))):
+        if families and os.path.basename(os.path.dirname(source)) not in families:
+            continue
         print(f"nvcc {' '.join('sm_' + a for a in archs)} {os.path.relpath(source, REPO)}", flush=True)
         run = subprocess.run([nvcc, *flags, source], capture_output=True, text=True)
         if run.returncode != 0:
@@ -171,6 +176,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", action="append", help="SM version (repeatable; default 90)")
     p.add_argument("--from-log", metavar="BUILD_LOG", help="take the report from a verbose build's output")
+    p.add_argument("--family", action="append",
+                   help="only csrc/FAMILY/*_cuda.cu (repeatable; default every family), for a quick check")
     p.add_argument("--out-dir", default=DEFAULT_DIR)
     args = p.parse_args(argv)
     command = " ".join(["python -m headwise.bench.ptxas"] + (argv if argv is not None else sys.argv[1:]))
@@ -178,7 +185,7 @@ def main(argv=None) -> int:
         with open(args.from_log, errors="replace") as f:
             text = f.read()
     else:
-        text = _nvcc_report(args.arch or ["90"])
+        text = _nvcc_report(args.arch or ["90"], args.family)
     paths = _write_per_arch(text, command, args.out_dir)
     if not paths:
         sys.exit("headwise.bench.ptxas: no ptxas report found" +
