@@ -239,25 +239,44 @@ def _merge_run(ops, s, take, device="cpu"):
     gen = _gen()
     z, w, bias = _merge_tensors(s, gen, device)
     grad = _randn(gen, s["B"], s["Q"], s["D"]).to(device)
+    gate = _gate_rows(s, device)
     take()
     y = ops.head_merge(z, w, bias)
     fwd = take()
     y.backward(grad)
     bwd = take()
     ops.head_merge(z.detach(), w.detach(), bias.detach(), return_stats=True)
-    return {"fwd": fwd, "bwd": bwd, "stats": take()}
+    stats = take()
+    # Learned per-row gates (the L0 head-removal path): the forward skips closed heads, the
+    # backward adds the gate gradient dL/dg[b,h] = <Z[b,h], dY W_h> (head_merge_gate_grad).
+    z.grad = w.grad = bias.grad = None
+    ops.head_merge(z, w, bias, head_gate=gate).backward(grad)
+    return {"fwd": fwd, "bwd": bwd, "stats": stats, "gated": take()}
+
+
+def _gate_rows(s, device):
+    """[B, H] differentiable gates in (0, 1], every fourth head closed (exactly 0)."""
+    g = torch.linspace(0.25, 1.0, s["H"]).repeat(s["B"], 1)
+    g[:, ::4] = 0.0
+    return _leaf(g, device)
 
 
 def _merge_bytes(s):
     bq, k, d = s["B"] * s["Q"], s["H"] * s["Dv"], s["D"]
     io = (bq * k + d * k + bq * d + d) * BF16
-    return {"fwd": io, "stats": io + 2 * bq * s["H"] * 4, "bwd": (2 * bq * d + 2 * bq * k + 2 * d * k + d) * BF16}
+    bwd = (2 * bq * d + 2 * bq * k + 2 * d * k + d) * BF16
+    # gated: forward + backward of the open 3/4 of the heads, plus the gates and their gradient.
+    open_k = k - (s["H"] + 3) // 4 * s["Dv"]
+    gated = (bq * open_k + d * open_k + bq * d + d) * BF16 + (2 * bq * d + 2 * bq * open_k + 2 * d * open_k + d) * BF16
+    return {"fwd": io, "stats": io + 2 * bq * s["H"] * 4, "bwd": bwd, "gated": gated + 2 * s["B"] * s["H"] * 4}
 
 
 def _merge_flops(s):
     f = 2 * s["B"] * s["Q"] * s["H"] * s["Dv"] * s["D"]
+    fo = f * (s["H"] - (s["H"] + 3) // 4) // s["H"]  # the open heads of _gate_rows
     return {"fwd": {"head_merge_fwd": f}, "stats": {"head_merge_fwd": f},
-            "bwd": {"head_merge_bwd_dz": f, "head_merge_bwd_dw": f}}
+            "bwd": {"head_merge_bwd_dz": f, "head_merge_bwd_dw": f},
+            "gated": {"head_merge_fwd": fo, "head_merge_bwd_dz": fo, "head_merge_bwd_dw": fo}}
 
 
 # DCMHA (SPEC 5), R = 2. One compose is ~10 FMAs (20 FLOPs) per (t, s, head): 2 sides x R
@@ -362,7 +381,9 @@ OPS: dict[str, OpSpec] = {
         run=_merge_run, min_bytes=_merge_bytes, flops=_merge_flops),
     "dcmha_compose": OpSpec(
         "dcmha_compose",
-        shapes=[dict(B=1, H=32, T=T) for T in (8, 16, 24)],
+        # T a multiple of 64: the key-side backward's grid is ceil(T / 64) CTAs (kKeyColumns),
+        # which the fit takes as linear in T.
+        shapes=[dict(B=1, H=32, T=T) for T in (64, 128, 192)],
         target=dict(B=8, H=32, T=4096),
         basis=lambda s: [s["B"], s["B"] * s["T"], s["B"] * s["T"] ** 2],
         run=_compose_run, min_bytes=_compose_bytes, flops=_compose_flops),
