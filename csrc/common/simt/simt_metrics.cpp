@@ -198,48 +198,49 @@ inline void record(uintptr_t addr, uint32_t size, bool store, uintptr_t pc) {
   if (r.lanes < 32) r.a[r.lanes++] = Access{addr, size};
 }
 
+// Calls visit(u) once per distinct `unit_bytes`-sized unit (sector, bank word) that the
+// request's lanes cover, in address order (lanes sorted by address); returns the distinct
+// bytes the lanes cover (a byte read by two lanes counts once).
+template <typename Visit>
+uint64_t for_each_distinct_unit(const Request& r, uint64_t unit_bytes, Visit&& visit) {
+  uint64_t distinct_bytes = 0, covered_to = 0, last_unit = UINT64_MAX;
+  for (uint32_t i = 0; i < r.lanes; ++i) {
+    const uint64_t lo = std::max(r.a[i].addr, covered_to), hi = r.a[i].addr + r.a[i].size;
+    if (hi <= lo) continue;
+    distinct_bytes += hi - lo;
+    covered_to = hi;
+    for (uint64_t u = lo / unit_bytes; u <= (hi - 1) / unit_bytes; ++u) {
+      if (u == last_unit) continue;
+      last_unit = u;
+      visit(u);
+    }
+  }
+  return distinct_bytes;
+}
+
 // Fold one finished request into the launch's counts.
 void account(const RequestKey& key, Request& r) {
   State& S = g;
   Launch& L = *S.launch;
   std::sort(r.a, r.a + r.lanes, [](const Access& x, const Access& y) { return x.addr < y.addr; });
-  uint64_t distinct_bytes = 0;
   uint64_t units = 0;  // sectors or wavefronts
+  uint64_t ideal = 0;  // the same if the distinct bytes were packed densely
   if (key.space == kGlobal) {
-    uint64_t covered_to = 0, last_sector = UINT64_MAX;
-    for (uint32_t i = 0; i < r.lanes; ++i) {
-      const uint64_t lo = std::max(r.a[i].addr, covered_to), hi = r.a[i].addr + r.a[i].size;
-      if (hi <= lo) continue;
-      distinct_bytes += hi - lo;
-      covered_to = hi;
-      for (uint64_t s = lo / kSectorBytes; s <= (hi - 1) / kSectorBytes; ++s) {
-        if (s == last_sector) continue;
-        last_sector = s;
-        ++units;
-        // A load of a sector the launch has not loaded before comes from DRAM.
-        if (L.sectors_touched[key.store].insert(s).second && !key.store) S.cta_dram_load_bytes += kSectorBytes;
-      }
-    }
-    const uint64_t ideal = (distinct_bytes + kSectorBytes - 1) / kSectorBytes;
+    const uint64_t distinct_bytes = for_each_distinct_unit(r, kSectorBytes, [&](uint64_t sector) {
+      ++units;
+      // A load of a sector the launch has not loaded before comes from DRAM.
+      if (L.sectors_touched[key.store].insert(sector).second && !key.store) S.cta_dram_load_bytes += kSectorBytes;
+    });
+    ideal = (distinct_bytes + kSectorBytes - 1) / kSectorBytes;
     L.global_requests[key.store] += 1;
     L.global_sectors[key.store] += units;
     L.global_sectors_ideal[key.store] += ideal;
     L.global_bytes[key.store] += distinct_bytes;
   } else {
     int words_in_bank[kBanks] = {};
-    uint64_t covered_to = 0, last_word = UINT64_MAX;
-    for (uint32_t i = 0; i < r.lanes; ++i) {
-      const uint64_t lo = std::max(r.a[i].addr, covered_to), hi = r.a[i].addr + r.a[i].size;
-      if (hi <= lo) continue;
-      distinct_bytes += hi - lo;
-      covered_to = hi;
-      for (uint64_t w = lo / 4; w <= (hi - 1) / 4; ++w) {
-        if (w == last_word) continue;
-        last_word = w;
-        ++words_in_bank[w % kBanks];
-      }
-    }
-    const uint64_t ideal = (distinct_bytes + kWavefrontBytes - 1) / kWavefrontBytes;
+    const uint64_t distinct_bytes =
+        for_each_distinct_unit(r, 4, [&](uint64_t word) { ++words_in_bank[word % kBanks]; });
+    ideal = (distinct_bytes + kWavefrontBytes - 1) / kWavefrontBytes;
     units = std::max<uint64_t>(*std::max_element(words_in_bank, words_in_bank + kBanks), ideal);
     L.smem_requests += 1;
     L.smem_wavefronts += units;
@@ -251,8 +252,7 @@ void account(const RequestKey& key, Request& r) {
   line.space = static_cast<Space>(key.space);
   line.requests += 1;
   line.units += units;
-  line.units_ideal += key.space == kGlobal ? (distinct_bytes + kSectorBytes - 1) / kSectorBytes
-                                           : (distinct_bytes + kWavefrontBytes - 1) / kWavefrontBytes;
+  line.units_ideal += ideal;
 }
 
 void flush_requests() {
