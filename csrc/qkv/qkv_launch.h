@@ -79,6 +79,9 @@ inline Geometry make_geometry(const Shape& s, at::IntArrayRef head_offsets, cons
   g.k_norm = ptr_or_null(keep[1]);
   g.cos = ptr_or_null(keep[2]);
   g.sin = ptr_or_null(keep[3]);
+  g.interleaved = s.interleaved;
+  g.rot = s.rot;
+  g.rope_batch_stride = s.rope_batch_stride;
   g.q_norm_rounds = norm_rounds(x, q_norm);
   g.k_norm_rounds = norm_rounds(x, k_norm);
   g.scale_q = static_cast<float>(scale_q);
@@ -99,11 +102,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_ENTRY(project)
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
     at::IntArrayRef head_offsets, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_head_dim,
     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double norm_eps,
-    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q) {
+    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q,
+    int64_t rope_style) {
   HW_OP_RANGE("headwise::qkv_project");
   constexpr const char* op = "qkv_project";
   const Shape s = check_project_args(op, x, weight, bias, head_offsets, num_q_heads, num_kv_heads, head_dim,
-                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin);
+                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin, rope_style);
   check_backend(x, s, op);
   const at::OptionalDeviceGuard device_guard(x.device());
   auto [q, k, v] = new_head_outputs(s, x, new_output);
@@ -133,11 +137,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_EN
     const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& packed,
     at::IntArrayRef head_offsets, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_head_dim,
     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double norm_eps,
-    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q) {
+    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q,
+    int64_t rope_style) {
   HW_OP_RANGE("headwise::qkv_project_backward");
   constexpr const char* op = "qkv_project_backward";
   const Shape s = check_project_args(op, x, weight, bias, head_offsets, num_q_heads, num_kv_heads, head_dim,
-                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin);
+                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin, rope_style);
   check_backend(x, s, op);
   check_backward_args(op, grad_q, grad_k, grad_v, x, packed, s);
   const at::OptionalDeviceGuard device_guard(x.device());
