@@ -38,7 +38,8 @@
 // partners of a full-width rotate-half rope sit in one thread's registers; ITEMS =
 // ceil(half / 32) <= 4, i.e. widths up to 256. The other rotary forms (partial, R < w;
 // interleaved pairs) stage the warp's row in shared memory (one w-float row per warp,
-// two __syncwarp per head), where each lane reads the partners of its elements.
+// two __syncwarp per head), where each lane reads the partners of its elements; they are
+// the STAGED_ROPE instantiations, so the other calls keep their registers and occupancy.
 #pragma once
 
 #include "../common/block_reduce.cuh"
@@ -69,10 +70,6 @@ struct Geometry {
   int64_t tokens, seq, rows, hq, hkv, d, dv;
   int64_t rot, rope_batch_stride;     // rope width (even, <= d); 0 or S * rot
 };
-
-// Whether a rope of this geometry needs the shared-memory staging (its pair partners are
-// not in the lane's registers): partial rotary or interleaved pairs.
-__device__ __forceinline__ bool rope_staged(const Geometry& g) { return g.interleaved || g.rot != g.d; }
 
 // The partner of element j < rot and the sign of its sine term in the forward
 // (out[j] = y[j] c[j] + sign * y[partner] s[j]): -1 for the pair's low element.
@@ -180,13 +177,13 @@ __device__ __forceinline__ float rms_scale(const float (&a)[ITEMS], const float 
   return rsqrtf(ss / static_cast<float>(width) + eps);
 }
 
-template <typename T, int ITEMS>
+template <typename T, int ITEMS, bool STAGED_ROPE>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_fwd_kernel(const FwdParams p) {
   const Geometry& g = p.g;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int64_t heads = g.hq + 2 * g.hkv;
-  __shared__ float stage[kWarpsPerBlock][kMaxWidth];  // rope_staged: the warp's row
+  __shared__ float stage[kWarpsPerBlock][STAGED_ROPE ? kMaxWidth : 1];  // the warp's row (STAGED_ROPE)
   for (int64_t m = blockIdx.x; m < g.tokens; m += gridDim.x) {
     const int64_t b = m / g.seq;
     const int64_t t = m - b * g.seq;
@@ -217,7 +214,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_fwd_kernel(c
       const float scale = hi.role == 0 ? g.scale_q : 1.f;
       T* dst = static_cast<T*>(p.out[hi.role]) + ((b * hi.heads + hi.index) * g.seq + t) * hi.width;
       const bool rotate = cs != nullptr && hi.role != 2;
-      const bool staged = rotate && rope_staged(g);
+      const bool staged = STAGED_ROPE && rotate;
       if (staged) rope_staged_apply<false, ITEMS>(g, stage[warp], cs, sn, hi.width, half, a, c);
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
@@ -238,8 +235,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_fwd_kernel(c
 // Persistent blocks over tokens (gridDim.x fixed by the host, independent of the
 // device): each warp sums its norm-weight gradient contributions in registers over the
 // (token, head) pairs it handles, in a fixed order, and stores them as one partial row;
-// qkv_norm_grad_reduce_kernel sums the partials in order. No atomics.
-template <typename T, int ITEMS>
+// qkv_norm_grad_slices_kernel + qkv_norm_grad_reduce_kernel sum the partials in a fixed
+// order. No atomics.
+template <typename T, int ITEMS, bool STAGED_ROPE>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_bwd_kernel(const BwdParams p) {
   const Geometry& g = p.g;
   const int lane = threadIdx.x & 31;
@@ -247,7 +245,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_bwd_kernel(c
   const int64_t heads = g.hq + 2 * g.hkv;
   const int64_t half_d = (g.d + 1) / 2;
   float acc[2][ITEMS][2] = {};  // [q_norm / k_norm][item][pair element]
-  __shared__ float stage[kWarpsPerBlock][kMaxWidth];  // rope_staged: the warp's row
+  __shared__ float stage[kWarpsPerBlock][STAGED_ROPE ? kMaxWidth : 1];  // the warp's row (STAGED_ROPE)
   for (int64_t m = blockIdx.x; m < g.tokens; m += gridDim.x) {
     const int64_t b = m / g.seq;
     const int64_t t = m - b * g.seq;
@@ -259,7 +257,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_bwd_kernel(c
       const T* src = static_cast<const T*>(p.grad[hi.role]) + ((b * hi.heads + hi.index) * g.seq + t) * hi.width;
       const float scale = hi.role == 0 ? g.scale_q : 1.f;
       const bool rotate = cs != nullptr && hi.role != 2;
-      const bool staged = rotate && rope_staged(g);
+      const bool staged = STAGED_ROPE && rotate;
       float ga[ITEMS], gc[ITEMS];
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
@@ -332,6 +330,44 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_bwd_kernel(c
         if (q + half_d < g.d) part[n * g.d + q + half_d] = acc[n][i][1];
       }
     }
+  }
+}
+
+// The norm-weight gradient reduction, a fixed-order two-level tree over the backward's
+// partial rows [count, cols] (cols = 2 d, count = 4 x the backward's fixed grid):
+//   level 1 (qkv_norm_grad_slices_kernel): grid (ceil(cols / 32), kReduceSlices); block
+//     (c, sl) sums rows [sl * per, (sl + 1) * per) (per = ceil(count / kReduceSlices)) of
+//     its 32 columns: warp w takes rows w, w + kReduceWarps, ... in order (one 128-byte
+//     coalesced row segment per warp load), then the kReduceWarps warp sums are added in
+//     warp order through shared memory -> slices [kReduceSlices, cols];
+//   level 2 (qkv_norm_grad_reduce_kernel): the kReduceSlices slice rows in order.
+// The order depends only on count and these constants, never on the device: the same bits
+// on every GPU, no atomics. Traffic: count * cols * 4 bytes read once (2 MiB at d = 128),
+// spread over (cols / 32) * 64 CTAs instead of one.
+constexpr int kReduceWarps = 8;
+constexpr int kReduceSlices = 64;
+
+__global__ void __launch_bounds__(kReduceWarps * 32)
+    qkv_norm_grad_slices_kernel(const float* partial, int64_t count, int64_t cols, float* slices) {
+  __shared__ float warp_sums[kReduceWarps][32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * 32 + lane;
+  const int64_t per = (count + kReduceSlices - 1) / kReduceSlices;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * per;
+  const int64_t r1 = r0 + per < count ? r0 + per : count;
+  float sum = 0.f;
+  if (j < cols) {
+#pragma unroll 4
+    for (int64_t r = r0 + warp; r < r1; r += kReduceWarps) sum += partial[r * cols + j];
+  }
+  warp_sums[warp][lane] = sum;
+  __syncthreads();
+  if (warp == 0 && j < cols) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kReduceWarps; ++w) total += warp_sums[w][lane];
+    slices[static_cast<int64_t>(blockIdx.y) * cols + j] = total;
   }
 }
 

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
 
 namespace headwise {
 namespace qkv {
@@ -45,6 +46,17 @@ void dispatch_items(const Shape& s, F&& f) {
     f(std::integral_constant<int, 2>{});
   } else {
     f(std::integral_constant<int, 4>{});
+  }
+}
+
+// Calls f(std::bool_constant<STAGED_ROPE>{}): the epilogues' shared-memory staged rope
+// (partial rotary or interleaved pairs; see qkv_kernel.cuh), or the register-only one.
+template <typename F>
+void dispatch_rope(const Shape& s, F&& f) {
+  if (s.rope && (s.interleaved || s.rot != s.d)) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
   }
 }
 
@@ -123,9 +135,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_ENTRY(project)
     dispatch_storage_dtype(x.scalar_type(), op, "x", [&](auto tag) {
       using T = decltype(tag);
       dispatch_items(s, [&](auto items) {
-        auto kernel = &qkv_epilogue_fwd_kernel<T, decltype(items)::value>;
-        HW_LAUNCH("qkv_epilogue_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.tokens(), kMaxGrid))),
-                  dim3(kWarpsPerBlock * 32), 0, p);
+        dispatch_rope(s, [&](auto staged) {
+          auto kernel = &qkv_epilogue_fwd_kernel<T, decltype(items)::value, decltype(staged)::value>;
+          HW_LAUNCH("qkv_epilogue_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.tokens(), kMaxGrid))),
+                    dim3(kWarpsPerBlock * 32), 0, p);
+        });
       });
     });
   }
@@ -165,16 +179,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_EN
     dispatch_storage_dtype(x.scalar_type(), op, "x", [&](auto tag) {
       using T = decltype(tag);
       dispatch_items(s, [&](auto items) {
-        auto kernel = &qkv_epilogue_bwd_kernel<T, decltype(items)::value>;
-        HW_LAUNCH("qkv_epilogue_bwd", kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarpsPerBlock * 32), 0,
-                  p);
+        dispatch_rope(s, [&](auto staged) {
+          auto kernel = &qkv_epilogue_bwd_kernel<T, decltype(items)::value, decltype(staged)::value>;
+          HW_LAUNCH("qkv_epilogue_bwd", kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarpsPerBlock * 32),
+                    0, p);
+        });
       });
     });
     if (s.any_norm()) {
+      // The fixed-order two-level tree of qkv_kernel.cuh: partial -> slices -> norm_sum.
       const int64_t cols = 2 * s.d;
-      auto reduce = &qkv_norm_grad_reduce_kernel;
-      HW_LAUNCH("qkv_norm_grad_reduce", reduce, dim3(static_cast<unsigned>((cols + 255) / 256)), dim3(256), 0,
-                partial.data_ptr<float>(), blocks * kWarpsPerBlock, cols, norm_sum.data_ptr<float>());
+      at::Tensor slices = new_output({kReduceSlices, cols}, x.options().dtype(at::kFloat));
+      auto level1 = &qkv_norm_grad_slices_kernel;
+      HW_LAUNCH("qkv_norm_grad_slices", level1, dim3(static_cast<unsigned>((cols + 31) / 32), kReduceSlices),
+                dim3(kReduceWarps * 32), 0, partial.data_ptr<float>(), blocks * kWarpsPerBlock, cols,
+                slices.data_ptr<float>());
+      auto level2 = &qkv_norm_grad_reduce_kernel;
+      HW_LAUNCH("qkv_norm_grad_reduce", level2, dim3(static_cast<unsigned>((cols + 255) / 256)), dim3(256), 0,
+                slices.data_ptr<float>(), int64_t{kReduceSlices}, cols, norm_sum.data_ptr<float>());
     }
   }
   auto [grad_x, grad_w, grad_b] = backward_gemms(G, x, weight, bias, s);
