@@ -188,8 +188,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_fwd_kernel(c
     const int64_t b = m / g.seq;
     const int64_t t = m - b * g.seq;
     const T* row = static_cast<const T*>(p.packed) + m * g.rows;
-    const float* cs = g.cos != nullptr ? g.cos + b * g.rope_batch_stride + t * g.rot : nullptr;
-    const float* sn = g.cos != nullptr ? g.sin + b * g.rope_batch_stride + t * g.rot : nullptr;
+    const int64_t rope_row = b * g.rope_batch_stride + t * g.rot;  // of token (b, t) in cos / sin
     for (int64_t h = warp; h < heads; h += kWarpsPerBlock) {
       const HeadInfo hi = head_info(g, h);
       const int64_t half = (hi.width + 1) / 2;
@@ -213,8 +212,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_fwd_kernel(c
       }
       const float scale = hi.role == 0 ? g.scale_q : 1.f;
       T* dst = static_cast<T*>(p.out[hi.role]) + ((b * hi.heads + hi.index) * g.seq + t) * hi.width;
-      const bool rotate = cs != nullptr && hi.role != 2;
+      const bool rotate = g.cos != nullptr && hi.role != 2;
       const bool staged = STAGED_ROPE && rotate;
+      const float* cs = rotate ? g.cos + rope_row : nullptr;
+      const float* sn = rotate ? g.sin + rope_row : nullptr;
       if (staged) rope_staged_apply<false, ITEMS>(g, stage[warp], cs, sn, hi.width, half, a, c);
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
@@ -249,15 +250,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_bwd_kernel(c
   for (int64_t m = blockIdx.x; m < g.tokens; m += gridDim.x) {
     const int64_t b = m / g.seq;
     const int64_t t = m - b * g.seq;
-    const float* cs = g.cos != nullptr ? g.cos + b * g.rope_batch_stride + t * g.rot : nullptr;
-    const float* sn = g.cos != nullptr ? g.sin + b * g.rope_batch_stride + t * g.rot : nullptr;
+    const int64_t rope_row = b * g.rope_batch_stride + t * g.rot;  // of token (b, t) in cos / sin
     for (int64_t h = warp; h < heads; h += kWarpsPerBlock) {
       const HeadInfo hi = head_info(g, h);
       const int64_t half = (hi.width + 1) / 2;
       const T* src = static_cast<const T*>(p.grad[hi.role]) + ((b * hi.heads + hi.index) * g.seq + t) * hi.width;
       const float scale = hi.role == 0 ? g.scale_q : 1.f;
-      const bool rotate = cs != nullptr && hi.role != 2;
+      const bool rotate = g.cos != nullptr && hi.role != 2;
       const bool staged = STAGED_ROPE && rotate;
+      const float* cs = rotate ? g.cos + rope_row : nullptr;
+      const float* sn = rotate ? g.sin + rope_row : nullptr;
       float ga[ITEMS], gc[ITEMS];
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
