@@ -26,12 +26,14 @@ inline void define_schemas(torch::Library& m) {
   // Fused QKV projection (SPEC section 2). head_offsets: first packed row of every head
   // (num_q_heads q heads, then num_kv_heads k heads, then num_kv_heads v heads), derived
   // by headwise.QKVLayout; either head count may be 0 (q_project / kv_project).
+  // rope_cos/rope_sin: [S, R] or [B, S, R] (per batch row), R even <= head_dim (R < head_dim:
+  // partial rotary of the leading R dims); rope_style 0 rotate-half, 1 GPT-J interleaved pairs.
   // Returns head-major q, k, v and `packed`, the GEMM product x W^T + bias [B*S, N_total]
   // kept for the backward when a norm is applied (a 0-element tensor otherwise).
   m.def(
       "qkv_project(Tensor x, Tensor weight, Tensor? bias, int[] head_offsets, int num_q_heads, "
       "int num_kv_heads, int head_dim, int v_head_dim, Tensor? q_norm, Tensor? k_norm, float norm_eps, "
-      "Tensor? rope_cos, Tensor? rope_sin, float scale_q) -> (Tensor, Tensor, Tensor, Tensor)",
+      "Tensor? rope_cos, Tensor? rope_sin, float scale_q, int rope_style=0) -> (Tensor, Tensor, Tensor, Tensor)",
       tags);
   // -> (grad_x, grad_weight, grad_bias, grad_q_norm, grad_k_norm); a gradient whose input
   // is absent is a 0-element tensor.
@@ -39,7 +41,7 @@ inline void define_schemas(torch::Library& m) {
       "qkv_project_backward(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor x, Tensor weight, "
       "Tensor? bias, Tensor packed, int[] head_offsets, int num_q_heads, int num_kv_heads, int head_dim, "
       "int v_head_dim, Tensor? q_norm, Tensor? k_norm, float norm_eps, Tensor? rope_cos, Tensor? rope_sin, "
-      "float scale_q) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      "float scale_q, int rope_style=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       tags);
   // Head merge (SPEC section 3): out [B, Q, D]; z_norm, out_norm [B, Q, H] float32 when
   // return_stats, else empty [0].

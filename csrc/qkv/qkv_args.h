@@ -17,10 +17,23 @@
 namespace headwise {
 namespace qkv {
 
+// Rotary conventions (the schema's `rope_style`): which element pairs a rotation turns.
+// Over the leading `rot` dims of a q/k head (rot = the tables' last dim, even, <= head_dim;
+// the dims from rot on pass through):
+//   kRotateHalf  (Llama, Qwen, GPT-NeoX): pairs (p, p + rot/2), p < rot/2;
+//   kInterleaved (GPT-J):                 pairs (2p, 2p + 1),   p < rot/2.
+// For a pair (lo, hi) with tables c, s of width rot (indexed by the element):
+//   out[lo] = y[lo] c[lo] - y[hi] s[lo],   out[hi] = y[hi] c[hi] + y[lo] s[hi].
+enum RopeStyle : int64_t { kRotateHalf = 0, kInterleaved = 1 };
+
 struct Shape {
   int64_t batch, seq, d_model, rows;  // rows = N_total of the packed axis
   int64_t hq, hkv, d, dv;
   bool norm_q, norm_k, rope, bias;
+  // Rope: rot = the tables' last dim (0 without rope); rope_batch_stride = S * rot for
+  // per-row tables [B, S, rot], 0 for one table [S, rot] shared by every row.
+  int64_t rot, rope_batch_stride;
+  bool interleaved;
   int64_t tokens() const { return batch * seq; }
   int64_t heads() const { return hq + 2 * hkv; }
   bool any_norm() const { return norm_q || norm_k; }
@@ -43,7 +56,7 @@ inline Shape check_project_args(const char* op, const at::Tensor& x, const at::T
                                 int64_t v_head_dim, const c10::optional<at::Tensor>& q_norm,
                                 const c10::optional<at::Tensor>& k_norm, double norm_eps,
                                 const c10::optional<at::Tensor>& rope_cos,
-                                const c10::optional<at::Tensor>& rope_sin) {
+                                const c10::optional<at::Tensor>& rope_sin, int64_t rope_style) {
   check_dim(op, x, "x", 3);
   check_float_dtype(op, x, "x");
   check_last_dim_contiguous(op, x, "x");
@@ -103,12 +116,28 @@ inline Shape check_project_args(const char* op, const at::Tensor& x, const at::T
   if (s.any_norm()) TORCH_CHECK_VALUE(norm_eps > 0.0, "headwise.", op, ": norm_eps must be positive, got ", norm_eps);
   TORCH_CHECK_VALUE(rope_cos.has_value() == rope_sin.has_value(), "headwise.", op,
                     ": rope: give both cos and sin or neither");
+  TORCH_CHECK_VALUE(rope_style == kRotateHalf || rope_style == kInterleaved, "headwise.", op,
+                    ": rope_style must be 0 (rotate-half) or 1 (interleaved pairs, GPT-J), got ", rope_style);
   s.rope = rope_cos.has_value();
+  s.interleaved = rope_style == kInterleaved;
   if (s.rope) {
-    TORCH_CHECK_VALUE(s.d % 2 == 0, "headwise.", op, ": rope needs an even head_dim (rotate-half pairs), got ",
-                      s.d);
-    check_small_param(op, *rope_cos, "rope cos", x, {s.seq, s.d}, "[S, head_dim]");
-    check_small_param(op, *rope_sin, "rope sin", x, {s.seq, s.d}, "[S, head_dim]");
+    const at::Tensor& cos = *rope_cos;
+    const at::Tensor& sin = *rope_sin;
+    TORCH_CHECK_VALUE(cos.dim() == 2 || cos.dim() == 3, "headwise.", op,
+                      ": rope cos must be [S, rotary_dim] or [B, S, rotary_dim], got shape ", shape_str(cos));
+    s.rot = cos.size(-1);
+    TORCH_CHECK_VALUE(s.rot >= 2 && s.rot % 2 == 0 && s.rot <= s.d, "headwise.", op,
+                      ": rope: rotary_dim (the tables' last dim) must be even and in [2, head_dim = ", s.d,
+                      "], got ", s.rot);
+    if (cos.dim() == 2) {
+      check_small_param(op, cos, "rope cos", x, {s.seq, s.rot}, "[S, rotary_dim]");
+      check_small_param(op, sin, "rope sin", x, {s.seq, s.rot}, "[S, rotary_dim] like rope cos");
+      s.rope_batch_stride = 0;
+    } else {
+      check_small_param(op, cos, "rope cos", x, {s.batch, s.seq, s.rot}, "[B, S, rotary_dim]");
+      check_small_param(op, sin, "rope sin", x, {s.batch, s.seq, s.rot}, "[B, S, rotary_dim] like rope cos");
+      s.rope_batch_stride = s.seq * s.rot;
+    }
   }
   return s;
 }

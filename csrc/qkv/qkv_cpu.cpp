@@ -32,7 +32,7 @@ struct Call {
   const A* qn;    // [d] or nullptr
   const A* kn;
   bool qn_rounds, kn_rounds;  // that norm weight is stored in T: round y * w to T
-  const A* cos;   // [S, d] or nullptr
+  const A* cos;   // [S, rot] or [B, S, rot] (batch stride s.rope_batch_stride), or nullptr
   const A* sin;
   A scale_q, eps;
   const T* packed;  // [M, rows]
@@ -52,7 +52,49 @@ struct Call {
   int64_t head_row(Role r, int64_t b, int64_t hr, int64_t t) const {
     return ((b * heads_of(r) + hr) * s.seq + t) * width(r);
   }
+  // Offset of the rope table row of token (b, t).
+  int64_t rope_row(int64_t b, int64_t t) const { return b * s.rope_batch_stride + t * s.rot; }
 };
+
+// Rotary forward over the leading `rot` dims of y (n >= rot), the rest copied:
+// o = rotate(y) (pairs and formula: RopeStyle in qkv_args.h).
+template <typename A>
+inline void rope_forward(const A* __restrict y, A* __restrict o, const A* __restrict cs, const A* __restrict sn,
+                         int64_t n, int64_t rot, bool interleaved) {
+  const int64_t half = rot / 2;
+  if (!interleaved) {
+    for (int64_t p = 0; p < half; ++p) {
+      o[p] = y[p] * cs[p] - y[p + half] * sn[p];
+      o[p + half] = y[p + half] * cs[p + half] + y[p] * sn[p + half];
+    }
+  } else {
+    for (int64_t p = 0; p < half; ++p) {
+      o[2 * p] = y[2 * p] * cs[2 * p] - y[2 * p + 1] * sn[2 * p];
+      o[2 * p + 1] = y[2 * p + 1] * cs[2 * p + 1] + y[2 * p] * sn[2 * p + 1];
+    }
+  }
+  for (int64_t j = rot; j < n; ++j) o[j] = y[j];
+}
+
+// Transpose of rope_forward: for a pair (lo, hi),
+// o[lo] = g[lo] c[lo] + g[hi] s[hi],  o[hi] = g[hi] c[hi] - g[lo] s[lo].
+template <typename A>
+inline void rope_backward(const A* __restrict g, A* __restrict o, const A* __restrict cs, const A* __restrict sn,
+                          int64_t n, int64_t rot, bool interleaved) {
+  const int64_t half = rot / 2;
+  if (!interleaved) {
+    for (int64_t p = 0; p < half; ++p) {
+      o[p] = g[p] * cs[p] + g[p + half] * sn[p + half];
+      o[p + half] = g[p + half] * cs[p + half] - g[p] * sn[p];
+    }
+  } else {
+    for (int64_t p = 0; p < half; ++p) {
+      o[2 * p] = g[2 * p] * cs[2 * p] + g[2 * p + 1] * sn[2 * p + 1];
+      o[2 * p + 1] = g[2 * p + 1] * cs[2 * p + 1] - g[2 * p] * sn[2 * p];
+    }
+  }
+  for (int64_t j = rot; j < n; ++j) o[j] = g[j];
+}
 
 // y[j] = packed[j] in the accumulation type
 template <typename T, typename A>
@@ -90,13 +132,8 @@ void forward_rows(const Call<T, A>& c, int64_t m0, int64_t m1) {
       const A scale = r == kQ ? c.scale_q : A(1);
       T* dst = c.out[r] + c.head_row(r, b, c.index(h), t);
       if (c.cos != nullptr && r != kV) {
-        const int64_t half = n / 2;
-        const A* cs = c.cos + t * n;
-        const A* sn = c.sin + t * n;
-        for (int64_t p = 0; p < half; ++p) {
-          o[p] = y[p] * cs[p] - y[p + half] * sn[p];
-          o[p + half] = y[p + half] * cs[p + half] + y[p] * sn[p + half];
-        }
+        const int64_t row = c.rope_row(b, t);
+        rope_forward(y, o, c.cos + row, c.sin + row, n, s.rot, s.interleaved);
         for (int64_t j = 0; j < n; ++j) dst[j] = cpu::to_storage<T>(o[j] * scale);
       } else {
         for (int64_t j = 0; j < n; ++j) dst[j] = cpu::to_storage<T>(y[j] * scale);
@@ -128,14 +165,8 @@ void backward_chunk(const Call<T, A>& c, int64_t chunk) {
       const A scale = r == kQ ? c.scale_q : A(1);
       for (int64_t j = 0; j < n; ++j) g[j] = static_cast<A>(src[j]) * scale;
       if (c.cos != nullptr && r != kV) {
-        // Transpose of the rotation: g_p cos_p + g_{p+h} sin_{p+h}, g_{p+h} cos_{p+h} - g_p sin_p.
-        const int64_t half = n / 2;
-        const A* cs = c.cos + t * n;
-        const A* sn = c.sin + t * n;
-        for (int64_t p = 0; p < half; ++p) {
-          tmp[p] = g[p] * cs[p] + g[p + half] * sn[p + half];
-          tmp[p + half] = g[p + half] * cs[p + half] - g[p] * sn[p];
-        }
+        const int64_t row = c.rope_row(b, t);
+        rope_backward(g, tmp, c.cos + row, c.sin + row, n, s.rot, s.interleaved);
         for (int64_t j = 0; j < n; ++j) g[j] = tmp[j];
       }
       if (const A* w = c.norm(r)) {
@@ -204,11 +235,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> project_cpu(
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
     at::IntArrayRef head_offsets, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_head_dim,
     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double norm_eps,
-    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q) {
+    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q,
+    int64_t rope_style) {
   HW_OP_RANGE("headwise::qkv_project");
   constexpr const char* op = "qkv_project";
   const Shape s = check_project_args(op, x, weight, bias, head_offsets, num_q_heads, num_kv_heads, head_dim,
-                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin);
+                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin, rope_style);
   TORCH_CHECK(x.device().is_cpu(), "headwise.", op, ": x is on ", x.device(), " but the CPU backend takes CPU tensors");
   auto [q, k, v] = new_head_outputs(s, x, new_output);
   const at::Tensor packed = packed_product(x, weight, bias, s);
@@ -236,11 +268,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> project_b
     const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& packed,
     at::IntArrayRef head_offsets, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_head_dim,
     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double norm_eps,
-    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q) {
+    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q,
+    int64_t rope_style) {
   HW_OP_RANGE("headwise::qkv_project_backward");
   constexpr const char* op = "qkv_project_backward";
   const Shape s = check_project_args(op, x, weight, bias, head_offsets, num_q_heads, num_kv_heads, head_dim,
-                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin);
+                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin, rope_style);
   TORCH_CHECK(x.device().is_cpu(), "headwise.", op, ": x is on ", x.device(), " but the CPU backend takes CPU tensors");
   check_backward_args(op, grad_q, grad_k, grad_v, x, packed, s);
   const at::Tensor gq = contiguous_grad(grad_q), gk = contiguous_grad(grad_k), gv = contiguous_grad(grad_v);

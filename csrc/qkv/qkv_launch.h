@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
 
 namespace headwise {
 namespace qkv {
@@ -45,6 +46,17 @@ void dispatch_items(const Shape& s, F&& f) {
     f(std::integral_constant<int, 2>{});
   } else {
     f(std::integral_constant<int, 4>{});
+  }
+}
+
+// Calls f(std::bool_constant<STAGED_ROPE>{}): the epilogues' shared-memory staged rope
+// (partial rotary or interleaved pairs; see qkv_kernel.cuh), or the register-only one.
+template <typename F>
+void dispatch_rope(const Shape& s, F&& f) {
+  if (s.rope && (s.interleaved || s.rot != s.d)) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
   }
 }
 
@@ -79,6 +91,9 @@ inline Geometry make_geometry(const Shape& s, at::IntArrayRef head_offsets, cons
   g.k_norm = ptr_or_null(keep[1]);
   g.cos = ptr_or_null(keep[2]);
   g.sin = ptr_or_null(keep[3]);
+  g.interleaved = s.interleaved;
+  g.rot = s.rot;
+  g.rope_batch_stride = s.rope_batch_stride;
   g.q_norm_rounds = norm_rounds(x, q_norm);
   g.k_norm_rounds = norm_rounds(x, k_norm);
   g.scale_q = static_cast<float>(scale_q);
@@ -99,11 +114,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_ENTRY(project)
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
     at::IntArrayRef head_offsets, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_head_dim,
     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double norm_eps,
-    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q) {
+    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q,
+    int64_t rope_style) {
   HW_OP_RANGE("headwise::qkv_project");
   constexpr const char* op = "qkv_project";
   const Shape s = check_project_args(op, x, weight, bias, head_offsets, num_q_heads, num_kv_heads, head_dim,
-                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin);
+                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin, rope_style);
   check_backend(x, s, op);
   const at::OptionalDeviceGuard device_guard(x.device());
   auto [q, k, v] = new_head_outputs(s, x, new_output);
@@ -119,9 +135,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_ENTRY(project)
     dispatch_storage_dtype(x.scalar_type(), op, "x", [&](auto tag) {
       using T = decltype(tag);
       dispatch_items(s, [&](auto items) {
-        auto kernel = &qkv_epilogue_fwd_kernel<T, decltype(items)::value>;
-        HW_LAUNCH("qkv_epilogue_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.tokens(), kMaxGrid))),
-                  dim3(kWarpsPerBlock * 32), 0, p);
+        dispatch_rope(s, [&](auto staged) {
+          auto kernel = &qkv_epilogue_fwd_kernel<T, decltype(items)::value, decltype(staged)::value>;
+          HW_LAUNCH("qkv_epilogue_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.tokens(), kMaxGrid))),
+                    dim3(kWarpsPerBlock * 32), 0, p);
+        });
       });
     });
   }
@@ -133,11 +151,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_EN
     const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& packed,
     at::IntArrayRef head_offsets, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_head_dim,
     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double norm_eps,
-    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q) {
+    const c10::optional<at::Tensor>& rope_cos, const c10::optional<at::Tensor>& rope_sin, double scale_q,
+    int64_t rope_style) {
   HW_OP_RANGE("headwise::qkv_project_backward");
   constexpr const char* op = "qkv_project_backward";
   const Shape s = check_project_args(op, x, weight, bias, head_offsets, num_q_heads, num_kv_heads, head_dim,
-                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin);
+                                     v_head_dim, q_norm, k_norm, norm_eps, rope_cos, rope_sin, rope_style);
   check_backend(x, s, op);
   check_backward_args(op, grad_q, grad_k, grad_v, x, packed, s);
   const at::OptionalDeviceGuard device_guard(x.device());
@@ -160,16 +179,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_EN
     dispatch_storage_dtype(x.scalar_type(), op, "x", [&](auto tag) {
       using T = decltype(tag);
       dispatch_items(s, [&](auto items) {
-        auto kernel = &qkv_epilogue_bwd_kernel<T, decltype(items)::value>;
-        HW_LAUNCH("qkv_epilogue_bwd", kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarpsPerBlock * 32), 0,
-                  p);
+        dispatch_rope(s, [&](auto staged) {
+          auto kernel = &qkv_epilogue_bwd_kernel<T, decltype(items)::value, decltype(staged)::value>;
+          HW_LAUNCH("qkv_epilogue_bwd", kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarpsPerBlock * 32),
+                    0, p);
+        });
       });
     });
     if (s.any_norm()) {
+      // The fixed-order two-level tree of qkv_kernel.cuh: partial -> slices -> norm_sum.
       const int64_t cols = 2 * s.d;
-      auto reduce = &qkv_norm_grad_reduce_kernel;
-      HW_LAUNCH("qkv_norm_grad_reduce", reduce, dim3(static_cast<unsigned>((cols + 255) / 256)), dim3(256), 0,
-                partial.data_ptr<float>(), blocks * kWarpsPerBlock, cols, norm_sum.data_ptr<float>());
+      at::Tensor slices = new_output({kReduceSlices, cols}, x.options().dtype(at::kFloat));
+      auto level1 = &qkv_norm_grad_slices_kernel;
+      HW_LAUNCH("qkv_norm_grad_slices", level1, dim3(static_cast<unsigned>((cols + 31) / 32), kReduceSlices),
+                dim3(kReduceWarps * 32), 0, partial.data_ptr<float>(), blocks * kWarpsPerBlock, cols,
+                slices.data_ptr<float>());
+      auto level2 = &qkv_norm_grad_reduce_kernel;
+      HW_LAUNCH("qkv_norm_grad_reduce", level2, dim3(static_cast<unsigned>((cols + 255) / 256)), dim3(256), 0,
+                slices.data_ptr<float>(), int64_t{kReduceSlices}, cols, norm_sum.data_ptr<float>());
     }
   }
   auto [grad_x, grad_w, grad_b] = backward_gemms(G, x, weight, bias, s);

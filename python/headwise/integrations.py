@@ -23,9 +23,15 @@ Head gates and statistics: every patched module gets the ``head_gate`` and
 :func:`headwise.prune_model_heads` prunes its heads physically (the module's head counts
 then come from its layout and ``num_key_value_groups``, not from the shared config).
 
-Limits: rotary tables must be the same for every batch row (HF computes them from
-position_ids, which are shared unless you pass per-row positions); a call with per-row
-tables raises. Attention dropout runs inside the model's attention function, as before.
+GPT-NeoX-style modules (``query_key_value`` packed per head as q, k, v: the
+``kv_group`` layout, ``dense`` output projection, partial rotary of ``rotary_ndims``
+dims) are patched the same way, with the packed weight used as is.
+
+Rotary tables: HF's ``position_embeddings`` are ``[B, S, R]``; one shared by the batch
+(``position_ids`` of batch 1) is passed to the kernel as ``[S, R]``, per-row tables
+(left-padded batched generation, packed documents) as they are. ``R`` below the head
+width is partial rotary (the leading ``R`` dims rotate). Attention dropout runs inside
+the model's attention function, as before.
 """
 
 from __future__ import annotations
@@ -52,14 +58,17 @@ def _is_supported(module: nn.Module) -> bool:
             and hasattr(module, "head_dim") and hasattr(module, "config"))
 
 
-def _shared_rope_table(t: torch.Tensor, name: str) -> torch.Tensor:
-    """HF's [B, S, D] (or [S, D]) rotary table as the [S, D] table qkv_project takes."""
-    if t.dim() == 2:
-        return t
-    if t.shape[0] > 1 and not torch.equal(t, t[:1].expand_as(t)):
-        raise NotImplementedError(f"headwise.integrations: rotary {name} differs between batch rows "
-                                  "(per-row position_ids); qkv_project takes one [S, D] table")
-    return t[0]
+def _is_neox(module: nn.Module) -> bool:
+    """A GPT-NeoX-style attention: packed ``query_key_value`` (per head q, k, v) and ``dense``."""
+    return (type(module).__name__.endswith("Attention")
+            and all(isinstance(getattr(module, n, None), nn.Linear) for n in ("query_key_value", "dense"))
+            and hasattr(module, "head_size") and hasattr(module, "config"))
+
+
+def _rope_table(t: torch.Tensor) -> torch.Tensor:
+    """HF's rotary table ``[B, S, R]`` as qkv_project takes it: ``[S, R]`` when one row
+    serves the batch (position_ids of batch 1), else per row ``[B, S, R]``."""
+    return t[0] if t.dim() == 3 and t.shape[0] == 1 else t
 
 
 def _headwise_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -76,7 +85,7 @@ def _headwise_attention_forward(self, hidden_states, position_embeddings=None, a
     rope = None
     if position_embeddings is not None:
         cos, sin = position_embeddings
-        rope = (_shared_rope_table(cos, "cos"), _shared_rope_table(sin, "sin"))
+        rope = (_rope_table(cos), _rope_table(sin))
     q, k, v = ops.qkv_project(hidden_states, weight, bias, layout=layout,
                               q_norm=None if q_norm is None else q_norm.weight,
                               k_norm=None if k_norm is None else k_norm.weight, norm_eps=eps, rope=rope)
@@ -98,23 +107,55 @@ def _headwise_attention_forward(self, hidden_states, position_embeddings=None, a
     return out, attn_weights
 
 
+def _headwise_neox_attention_forward(self, hidden_states, attention_mask=None, layer_past=None,
+                                     position_embeddings=None, **kwargs):
+    ops: Ops = self._headwise_ops
+    layout: QKVLayout = self._headwise_layout
+    rope = None
+    if position_embeddings is not None:
+        cos, sin = position_embeddings
+        rope = (_rope_table(cos), _rope_table(sin))
+    qkv = self.query_key_value
+    q, k, v = ops.qkv_project(hidden_states, qkv.weight, qkv.bias, layout=layout, rope=rope)
+    if layer_past is not None:
+        k, v = layer_past.update(k, v, self.layer_idx)
+    modeling = sys.modules[type(self).__module__]
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                      modeling.eager_attention_forward)
+    attn_output, attn_weights = attention(
+        self, q, k, v, attention_mask, scaling=self.scaling,
+        dropout=0.0 if not self.training else self.attention_dropout, **kwargs)
+    out = merge_heads(self, ops.head_merge, attn_output.transpose(1, 2), self.dense.weight, self.dense.bias)
+    return out, attn_weights
+
+
 def patch_hf_attention(model: nn.Module, *, ops: Optional[Ops] = None) -> int:
     """Route every supported attention module of ``model`` through headwise; returns how
     many were patched. ``ops`` binds a backend (``headwise.testing.backend(...)``)."""
     count = 0
     for module in model.modules():
-        if not _is_supported(module) or hasattr(module, _ORIGINAL):
+        if hasattr(module, _ORIGINAL):
             continue
-        cfg = module.config
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        module._headwise_layout = QKVLayout(heads, kv_heads, module.head_dim)
+        if _is_neox(module):
+            heads = module.config.num_attention_heads
+            module._headwise_layout = QKVLayout(heads, heads, module.head_size, interleave="kv_group")
+            forward = _headwise_neox_attention_forward
+        elif _is_supported(module):
+            cfg = module.config
+            heads = cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+            module._headwise_layout = QKVLayout(heads, kv_heads, module.head_dim)
+            forward = _headwise_attention_forward
+        else:
+            continue
         module._headwise_ops = ops or DEFAULT_OPS
         module.head_gate = None
         module.head_stats_sink = None
         setattr(module, GATED_ATTENTION, True)
         setattr(module, _ORIGINAL, module.forward)
-        module.forward = types.MethodType(_headwise_attention_forward, module)
+        module.forward = types.MethodType(forward, module)
         count += 1
     return count
 

@@ -139,7 +139,8 @@ def _register_qkv(ns: str) -> None:
     project = f"{ns}::qkv_project"
 
     @torch.library.register_fake(project)
-    def _(x, weight, bias, head_offsets, hq, hkv, d, dv, q_norm, k_norm, norm_eps, rope_cos, rope_sin, scale_q):
+    def _(x, weight, bias, head_offsets, hq, hkv, d, dv, q_norm, k_norm, norm_eps, rope_cos, rope_sin, scale_q,
+          rope_style=0):
         b, s, _ = x.shape
         torch._check(weight.shape[0] == hq * d + hkv * (d + dv), lambda: "weight rows must match the layout")
         q = x.new_empty((b, hq, s, d))
@@ -150,7 +151,7 @@ def _register_qkv(ns: str) -> None:
 
     @torch.library.register_fake(f"{ns}::qkv_project_backward")
     def _(grad_q, grad_k, grad_v, x, weight, bias, packed, head_offsets, hq, hkv, d, dv, q_norm, k_norm,
-          norm_eps, rope_cos, rope_sin, scale_q):
+          norm_eps, rope_cos, rope_sin, scale_q, rope_style=0):
         empty = x.new_empty((0,))
         return (
             x.new_empty(x.shape),
@@ -161,12 +162,13 @@ def _register_qkv(ns: str) -> None:
         )
 
     def setup_context(ctx, inputs, output):
-        x, weight, bias, head_offsets, hq, hkv, d, dv, q_norm, k_norm, norm_eps, cos, sin, scale_q = inputs
+        x, weight, bias, head_offsets, hq, hkv, d, dv, q_norm, k_norm, norm_eps, cos, sin, scale_q = inputs[:14]
+        rope_style = inputs[14] if len(inputs) > 14 else 0
         packed = output[3]
         # Saved: the inputs, and the bias-free product only when a norm needs its statistic.
         ctx.save_for_backward(x, weight, bias, q_norm, k_norm, cos, sin, packed)
         ctx.args = (head_offsets, hq, hkv, d, dv)
-        ctx.norm_eps, ctx.scale_q = norm_eps, scale_q
+        ctx.norm_eps, ctx.scale_q, ctx.rope_style, ctx.num_inputs = norm_eps, scale_q, rope_style, len(inputs)
         ctx.mark_non_differentiable(packed)
 
     def backward(ctx, grad_q, grad_k, grad_v, _grad_packed):
@@ -182,12 +184,13 @@ def _register_qkv(ns: str) -> None:
         grad_v = grad_or_zeros(grad_v, (b, hkv, s, dv))
         gx, gw, gb, gqn, gkn = getattr(torch.ops, ns).qkv_project_backward(
             grad_q, grad_k, grad_v, x, weight, bias, packed, head_offsets, hq, hkv, d, dv, q_norm, k_norm,
-            ctx.norm_eps, cos, sin, ctx.scale_q,
+            ctx.norm_eps, cos, sin, ctx.scale_q, ctx.rope_style,
         )
-        return (
+        grads = (
             gx, gw, gb if bias is not None else None, None, None, None, None, None,
             gqn if q_norm is not None else None, gkn if k_norm is not None else None, None, None, None, None,
         )
+        return grads + (None,) * (ctx.num_inputs - len(grads))
 
     torch.library.register_autograd(project, backward, setup_context=setup_context)
 
@@ -282,12 +285,21 @@ def dcmha_weights(x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor, dd: tor
     return DCMHAWeights(w1.to(x.dtype).contiguous(), w2.to(x.dtype).contiguous(), g.to(x.dtype))
 
 
-def _rope_args(rope, op):
+ROPE_STYLES = {"rotate_half": 0, "interleaved": 1}
+
+
+def _rope_args(rope, op, rope_style="rotate_half"):
+    """``(cos, sin, style)`` for the op schema; ``style`` is the int of ``ROPE_STYLES``."""
+    if rope_style not in ROPE_STYLES:
+        raise ValueError(f"headwise.{op}: rope_style must be one of {sorted(ROPE_STYLES)} "
+                         f"(rotate_half: Llama/Qwen/GPT-NeoX pairs (p, p + R/2); interleaved: GPT-J pairs "
+                         f"(2p, 2p + 1)), got {rope_style!r}")
     if rope is None:
-        return None, None
+        return None, None, 0
     if not isinstance(rope, (tuple, list)) or len(rope) != 2:
-        raise ValueError(f"headwise.{op}: rope must be a (cos, sin) pair of [S, head_dim] tensors")
-    return rope[0], rope[1]
+        raise ValueError(f"headwise.{op}: rope must be a (cos, sin) pair of [S, rotary_dim] or "
+                         "[B, S, rotary_dim] tensors")
+    return rope[0], rope[1], ROPE_STYLES[rope_style]
 
 
 def _check_layout(layout, op):
@@ -388,6 +400,7 @@ class Ops:
         norm_eps: float = 1e-6,
         rope=None,
         scale_q: Optional[float] = None,
+        rope_style: str = "rotate_half",
     ):
         """Fused QKV projection (SPEC section 2): ``(q [B, Hq, S, D], k [B, Hkv, S, D],
         v [B, Hkv, S, Dv])``, head-major and contiguous, in x's dtype.
@@ -395,18 +408,29 @@ class Ops:
         ``x [B, S, D_model]``, ``weight [N_total, D_model]`` packed by ``layout`` (a
         :class:`headwise.QKVLayout`), ``bias [N_total]``. Epilogue, in order: bias;
         per-head RMSNorm of q / k with weights ``q_norm`` / ``k_norm`` ``[D]`` (fp32
-        statistic, Qwen3 rounding); RoPE ``rope=(cos, sin)``, each ``[S, D]``, on q and
-        k (rotate-half); ``scale_q`` multiplies q. Differentiable in x, weight, bias,
-        q_norm and k_norm (not in the rope tables).
+        statistic, Qwen3 rounding); RoPE ``rope=(cos, sin)`` on q and k; ``scale_q``
+        multiplies q. Differentiable in x, weight, bias, q_norm and k_norm (not in the
+        rope tables).
+
+        Rope tables: each ``[S, R]`` (shared by the batch) or ``[B, S, R]`` (per batch row,
+        as Hugging Face passes them for per-row position ids: left-padded generation,
+        packed documents), float32 or x's dtype, ``R`` even and ``<= D``. ``R < D`` is
+        partial rotary (GPT-NeoX / Pythia / Phi ``rotary_pct``): the leading ``R`` dims of
+        each q/k head rotate, the rest pass through. ``rope_style="rotate_half"`` pairs
+        element ``p`` with ``p + R/2`` (Llama, Qwen, GPT-NeoX); ``"interleaved"`` pairs
+        ``2p`` with ``2p + 1`` (GPT-J); either way, for a pair ``(lo, hi)``,
+        ``out[lo] = y[lo] cos[lo] - y[hi] sin[lo]`` and ``out[hi] = y[hi] cos[hi] +
+        y[lo] sin[hi]`` (tables indexed by the output element, e.g. GPT-J's
+        repeat-interleaved ones).
         """
         _check_layout(layout, "qkv_project")
         _check_x(x, "qkv_project")
-        cos, sin = _rope_args(rope, "qkv_project")
+        cos, sin, style = _rope_args(rope, "qkv_project", rope_style)
         x, weight, bias = _autocast_gemm_inputs(x, weight, bias)
         q, k, v, _ = self._lib.qkv_project(
             x, weight, bias, list(layout.head_offsets()), layout.num_q_heads, layout.num_kv_heads,
             layout.head_dim, layout.v_head_dim, q_norm, k_norm, float(norm_eps), cos, sin,
-            1.0 if scale_q is None else float(scale_q),
+            1.0 if scale_q is None else float(scale_q), style,
         )
         return q, k, v
 
@@ -421,18 +445,19 @@ class Ops:
         norm_eps: float = 1e-6,
         rope=None,
         scale_q: Optional[float] = None,
+        rope_style: str = "rotate_half",
     ) -> torch.Tensor:
         """The target-side query of a cross-attention: ``weight [Hq*D, D_model]`` holds
         the layout's Q rows (``layout.split(...)[0]``). Returns ``q [B, Hq, S, D]``
-        with the epilogue of :meth:`qkv_project`."""
+        with the epilogue of :meth:`qkv_project` (same rope forms)."""
         _check_layout(layout, "q_project")
         _check_x(x, "q_project")
-        cos, sin = _rope_args(rope, "q_project")
+        cos, sin, style = _rope_args(rope, "q_project", rope_style)
         x, weight, bias = _autocast_gemm_inputs(x, weight, bias)
         q, _, _, _ = self._lib.qkv_project(
             x, weight, bias, list(layout.head_offsets(("q",))), layout.num_q_heads, 0,
             layout.head_dim, layout.v_head_dim, q_norm, None, float(norm_eps), cos, sin,
-            1.0 if scale_q is None else float(scale_q),
+            1.0 if scale_q is None else float(scale_q), style,
         )
         return q
 
@@ -446,17 +471,18 @@ class Ops:
         k_norm: Optional[torch.Tensor] = None,
         norm_eps: float = 1e-6,
         rope=None,
+        rope_style: str = "rotate_half",
     ):
         """The source-side fused K/V of a cross-attention: ``weight`` holds the
         layout's K and V rows in packing order (``fused[layout.rows(("k", "v"))]``).
-        Returns ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]``."""
+        Returns ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]`` (rope forms of :meth:`qkv_project`)."""
         _check_layout(layout, "kv_project")
         _check_x(x, "kv_project")
-        cos, sin = _rope_args(rope, "kv_project")
+        cos, sin, style = _rope_args(rope, "kv_project", rope_style)
         x, weight, bias = _autocast_gemm_inputs(x, weight, bias)
         _, k, v, _ = self._lib.qkv_project(
             x, weight, bias, list(layout.head_offsets(("k", "v"))), 0, layout.num_kv_heads,
-            layout.head_dim, layout.v_head_dim, None, k_norm, float(norm_eps), cos, sin, 1.0,
+            layout.head_dim, layout.v_head_dim, None, k_norm, float(norm_eps), cos, sin, 1.0, style,
         )
         return k, v
     def head_merge(

@@ -423,13 +423,39 @@ def from_multihead_attention(mha: torch.nn.MultiheadAttention):
     return layout, mha.in_proj_weight.detach(), bias
 
 
+def _from_neox_attention(attn):
+    qkv = attn.query_key_value
+    heads = attn.config.num_attention_heads
+    head_size = getattr(attn, "head_size", None) or attn.config.hidden_size // heads
+    # query_key_value's output viewed as [..., H, 3 * head_size] and chunked in 3: per head
+    # its q rows, then k, then v, i.e. the kv_group packing with one query head per group.
+    layout = QKVLayout(heads, heads, head_size, interleave="kv_group")
+    if qkv.weight.shape[0] != layout.num_rows:
+        raise ValueError(f"headwise.from_hf_attention: query_key_value has {qkv.weight.shape[0]} rows, "
+                         f"{heads} heads of width {head_size} need {layout.num_rows}")
+    bias = qkv.bias.detach() if qkv.bias is not None else None
+    return layout, qkv.weight.detach(), bias, None
+
+
 def from_hf_attention(attn):
-    """``(layout, weight, bias, norms)`` of a Hugging Face Llama- or Qwen3-style
-    attention module (``q_proj``, ``k_proj``, ``v_proj`` nn.Linear, ``head_dim`` and
-    the config's head counts). ``bias`` is None when the projections have none.
-    ``norms`` is None (Llama) or ``(q_norm_weight, k_norm_weight, eps)`` for Qwen3's
-    per-head qk-norm. The fused weight packs Q, K, V in that order; the attention's
-    own ``scaling`` (``head_dim ** -0.5``) can be passed as ``scale_q``."""
+    """``(layout, weight, bias, norms)`` of a Hugging Face attention module.
+
+    Llama- or Qwen3-style modules (``q_proj``, ``k_proj``, ``v_proj`` nn.Linear,
+    ``head_dim`` and the config's head counts): the fused weight packs Q, K, V in that
+    order; ``norms`` is None (Llama) or ``(q_norm_weight, k_norm_weight, eps)`` for
+    Qwen3's per-head qk-norm.
+
+    GPT-NeoX-style modules (GPT-NeoX, Pythia: a packed ``query_key_value`` nn.Linear
+    whose rows hold, per head, its q, k and v rows): the packed weight is returned as is
+    (not copied) with the ``kv_group`` layout ``QKVLayout(H, H, head_size,
+    interleave="kv_group")``; ``norms`` is None. Their rotary embedding covers the
+    leading ``rotary_ndims = head_size * rotary_pct`` dims: its ``[S or B, S, rotary_ndims]``
+    tables passed as ``rope`` make qkv_project apply the same partial rotary.
+
+    ``bias`` is None when the projections have none. The attention's own ``scaling``
+    (``head_dim ** -0.5``) can be passed as ``scale_q``."""
+    if isinstance(getattr(attn, "query_key_value", None), torch.nn.Linear):
+        return _from_neox_attention(attn)
     for name in ("q_proj", "k_proj", "v_proj"):
         if not isinstance(getattr(attn, name, None), torch.nn.Linear):
             raise ValueError(f"headwise.from_hf_attention: attn has no nn.Linear {name}")

@@ -122,10 +122,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half convention: ``x * cos + rotate_half(x) * sin`` with
-    ``cos``/``sin`` ``[S, D]`` broadcast over ``x [B, H, S, D]``."""
-    return x * cos + _rotate_half(x) * sin
+def _rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """GPT-J's rotate_every_two: pairs (2p, 2p + 1) -> (-x[2p + 1], x[2p])."""
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "rotate_half") -> torch.Tensor:
+    """Rotary embedding ``x[..., :R] * cos + rotate(x[..., :R]) * sin`` on ``x [B, H, S, D]``
+    with ``cos``/``sin`` ``[S, R]`` (broadcast over the batch) or ``[B, S, R]`` (per batch
+    row); ``R <= D``, the dims from ``R`` on pass through (partial rotary). ``style``:
+    ``"rotate_half"`` (Llama: ``cat(-x2, x1)`` of the halves) or ``"interleaved"``
+    (GPT-J's rotate_every_two)."""
+    if style not in ("rotate_half", "interleaved"):
+        raise ValueError(f"headwise.reference.apply_rope: unknown style {style!r}")
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    turn = _rotate_half if style == "rotate_half" else _rotate_interleaved
+    return torch.cat((rot * cos + turn(rot) * sin, rest), dim=-1)
 
 
 def _split_packed(y: torch.Tensor, layout, roles):
@@ -150,7 +166,7 @@ def _split_packed(y: torch.Tensor, layout, roles):
     return out
 
 
-def _epilogue(parts, x_dtype, *, q_norm, k_norm, norm_eps, rope, scale_q):
+def _epilogue(parts, x_dtype, *, q_norm, k_norm, norm_eps, rope, scale_q, rope_style="rotate_half"):
     acc = torch.float64 if x_dtype == torch.float64 else torch.float32
     outs = {}
     for role, t in parts.items():
@@ -160,7 +176,7 @@ def _epilogue(parts, x_dtype, *, q_norm, k_norm, norm_eps, rope, scale_q):
             t = rms_norm_heads(t, k_norm, norm_eps)
         if role in ("q", "k") and rope is not None:
             cos, sin = rope
-            t = apply_rope(t.to(acc), cos.to(acc), sin.to(acc))
+            t = apply_rope(t.to(acc), cos.to(acc), sin.to(acc), rope_style)
         if role == "q" and scale_q is not None:
             t = t * scale_q
         outs[role] = t.to(x_dtype).contiguous()
@@ -178,31 +194,38 @@ def qkv_project(
     norm_eps: float = 1e-6,
     rope=None,
     scale_q: Optional[float] = None,
+    rope_style: str = "rotate_half",
 ):
     """Fused QKV projection, eager (SPEC section 2): ``F.linear`` -> split by the
     layout's spans -> view -> transpose -> per-head q/k RMSNorm (Qwen3 rounding) ->
-    RoPE on q and k (in fp32) -> ``scale_q`` on q -> contiguous. Returns head-major
-    ``q [B, Hq, S, D]``, ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]`` in x's dtype."""
+    RoPE on q and k (in fp32; :func:`apply_rope`: ``[S, R]`` or ``[B, S, R]`` tables,
+    partial when ``R < D``, ``rope_style`` rotate_half or interleaved) -> ``scale_q`` on
+    q -> contiguous. Returns head-major ``q [B, Hq, S, D]``, ``k [B, Hkv, S, D]``,
+    ``v [B, Hkv, S, Dv]`` in x's dtype."""
     y = torch.nn.functional.linear(x, weight, bias)
     parts = _split_packed(y, layout, ("q", "k", "v"))
-    o = _epilogue(parts, x.dtype, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps, rope=rope, scale_q=scale_q)
+    o = _epilogue(parts, x.dtype, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps, rope=rope, scale_q=scale_q,
+                  rope_style=rope_style)
     return o["q"], o["k"], o["v"]
 
 
-def q_project(x, weight, bias=None, *, layout, q_norm=None, norm_eps=1e-6, rope=None, scale_q=None):
+def q_project(x, weight, bias=None, *, layout, q_norm=None, norm_eps=1e-6, rope=None, scale_q=None,
+              rope_style="rotate_half"):
     """The query side of a cross-attention projection: ``weight`` holds the layout's Q
     rows only. Returns ``q [B, Hq, S, D]``."""
     y = torch.nn.functional.linear(x, weight, bias)
     parts = _split_packed(y, layout, ("q",))
-    return _epilogue(parts, x.dtype, q_norm=q_norm, k_norm=None, norm_eps=norm_eps, rope=rope, scale_q=scale_q)["q"]
+    return _epilogue(parts, x.dtype, q_norm=q_norm, k_norm=None, norm_eps=norm_eps, rope=rope, scale_q=scale_q,
+                     rope_style=rope_style)["q"]
 
 
-def kv_project(x, weight, bias=None, *, layout, k_norm=None, norm_eps=1e-6, rope=None):
+def kv_project(x, weight, bias=None, *, layout, k_norm=None, norm_eps=1e-6, rope=None, rope_style="rotate_half"):
     """The source side of a cross-attention projection: ``weight`` holds the layout's K
     and V rows in packing order. Returns ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]``."""
     y = torch.nn.functional.linear(x, weight, bias)
     parts = _split_packed(y, layout, ("k", "v"))
-    o = _epilogue(parts, x.dtype, q_norm=None, k_norm=k_norm, norm_eps=norm_eps, rope=rope, scale_q=None)
+    o = _epilogue(parts, x.dtype, q_norm=None, k_norm=k_norm, norm_eps=norm_eps, rope=rope, scale_q=None,
+                  rope_style=rope_style)
     return o["k"], o["v"]
 def head_merge_coefficients(
     head_gate: Optional[torch.Tensor], batch: int, heads: int, *, rescale: bool = False, dtype=torch.float32

@@ -124,3 +124,34 @@ def test_hf_qwen3_projection_parity_with_grads(host_backend):
     assert rel_err(xg.grad, xr.grad) <= TOL
     assert rel_err(qn_g.grad, attn.q_norm.weight.grad) <= TOL
     assert rel_err(kn_g.grad, attn.k_norm.weight.grad) <= TOL
+
+
+@pytest.mark.parametrize("rotary_pct,bias", [(0.25, True), (0.5, False)])
+def test_hf_gpt_neox_attention_parity(host_backend, rotary_pct, bias):
+    # GPT-NeoX's packed query_key_value (per head: q, k, v rows) is the kv_group layout;
+    # its rotary tables cover head_size * rotary_pct dims: partial rotary in the epilogue.
+    # Per-row position ids give [B, S, R] tables.
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_neox import modeling_gpt_neox as mod
+
+    cfg = transformers.GPTNeoXConfig(hidden_size=48, num_attention_heads=3, intermediate_size=64,
+                                     num_hidden_layers=1, vocab_size=32, max_position_embeddings=64,
+                                     rotary_pct=rotary_pct, attention_bias=bias)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(2)
+    attn = mod.GPTNeoXAttention(cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.2)
+    layout, weight, b, norms = headwise.from_hf_attention(attn)
+    assert layout == headwise.QKVLayout(3, 3, 16, interleave="kv_group") and norms is None
+    assert weight.data_ptr() == attn.query_key_value.weight.data_ptr() and (b is not None) == bias
+    x = torch.randn(2, 7, 48)
+    position_ids = torch.stack([torch.arange(7), (torch.arange(7) - 3).clamp(min=0)])
+    cos, sin = mod.GPTNeoXRotaryEmbedding(cfg)(x, position_ids)
+    assert cos.shape == (2, 7, int(16 * rotary_pct))
+    with torch.no_grad():
+        want, _ = attn(x, attention_mask=None, position_embeddings=(cos, sin))
+        q, k, v = host_backend.qkv_project(x, weight, b, layout=layout, rope=(cos, sin), scale_q=attn.scaling)
+        got = _attend(q, k, v, attn.dense, scale=1.0, causal=True)
+    assert rel_err(got, want) <= TOL
