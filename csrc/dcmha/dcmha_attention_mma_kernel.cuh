@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
         lg[j][e] = x;
         kept[j][e] = q0 + r < TT && kept_pair(q0 + r, s0 + c, TT, p.causal, p.window);
       }
-    if (!Partials) {
+    if constexpr (!Partials) {
       // Online row max and sum of head n over the warp's rows (quad = the 4 lanes of a row).
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -375,55 +375,55 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
           st_m[n * kTileRows + r] = m_new;
         }
       }
-      continue;
-    }
-    // Partials: P_n and the post partials.
-#pragma unroll
-    for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = warp * 16 + gq + 8 * (e >> 1), c = j * 8 + 2 * tq + (e & 1);
-        const float prob = kept[j][e] ? expf(lg[j][e] - st_m[n * kTileRows + r]) * st_z[n * kTileRows + r] : 0.f;
-#pragma unroll
-        for (int rr = 0; rr < kR; ++rr) {
-          pc[rr][j][e] += rwn[(5 + rr) * fs_r + r] * prob;
-          pd[rr][j][e] += cwn[(5 + rr) * fs_c + c] * prob;
-        }
-      }
-    if (n == hg - 1) {
-      // The tile's 8 partials to the scratch [bg][8][chunk][T].
-      float* out = mp.partials + static_cast<int64_t>(bg) * 8 * mp.chunk * TT;
+    } else {
+      // Partials: P_n and the post partials.
 #pragma unroll
       for (int j = 0; j < kKeyN8; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = warp * 16 + gq + 8 * h, t = q0 + r, s = s0 + j * 8 + 2 * tq;
-          if (t >= TT || s >= TT) continue;
-          const int64_t at = static_cast<int64_t>(t - mp.chunk0) * TT + s;
-          const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
-          float v8[8][2];
+        for (int e = 0; e < 4; ++e) {
+          const int r = warp * 16 + gq + 8 * (e >> 1), c = j * 8 + 2 * tq + (e & 1);
+          const float prob = kept[j][e] ? expf(lg[j][e] - st_m[n * kTileRows + r]) * st_z[n * kTileRows + r] : 0.f;
 #pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-#pragma unroll
-            for (int rr = 0; rr < kR; ++rr) {
-              v8[rr][e2] = pa[rr][j][2 * h + e2];
-              v8[2 + rr][e2] = pb[rr][j][2 * h + e2];
-              v8[4 + rr][e2] = pc[rr][j][2 * h + e2];
-              v8[6 + rr][e2] = pd[rr][j][2 * h + e2];
-            }
-          }
-          const bool pair = s + 1 < TT && (TT % 2 == 0);
-#pragma unroll
-          for (int x = 0; x < 8; ++x) {
-            float* dst = out + x * plane + at;
-            if (pair) {
-              hw::store_from_float<2>(dst, v8[x]);
-            } else {
-              dst[0] = v8[x][0];
-              if (s + 1 < TT) dst[1] = v8[x][1];
-            }
+          for (int rr = 0; rr < kR; ++rr) {
+            pc[rr][j][e] += rwn[(5 + rr) * fs_r + r] * prob;
+            pd[rr][j][e] += cwn[(5 + rr) * fs_c + c] * prob;
           }
         }
+      if (n == hg - 1) {
+        // The tile's 8 partials to the scratch [bg][8][chunk][T].
+        float* out = mp.partials + static_cast<int64_t>(bg) * 8 * mp.chunk * TT;
+#pragma unroll
+        for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = warp * 16 + gq + 8 * h, t = q0 + r, s = s0 + j * 8 + 2 * tq;
+            if (t >= TT || s >= TT) continue;
+            const int64_t at = static_cast<int64_t>(t - mp.chunk0) * TT + s;
+            const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
+            float v8[8][2];
+#pragma unroll
+            for (int e2 = 0; e2 < 2; ++e2) {
+#pragma unroll
+              for (int rr = 0; rr < kR; ++rr) {
+                v8[rr][e2] = pa[rr][j][2 * h + e2];
+                v8[2 + rr][e2] = pb[rr][j][2 * h + e2];
+                v8[4 + rr][e2] = pc[rr][j][2 * h + e2];
+                v8[6 + rr][e2] = pd[rr][j][2 * h + e2];
+              }
+            }
+            const bool pair = s + 1 < TT && (TT % 2 == 0);
+#pragma unroll
+            for (int x = 0; x < 8; ++x) {
+              float* dst = out + x * plane + at;
+              if (pair) {
+                hw::store_from_float<2>(dst, v8[x]);
+              } else {
+                dst[0] = v8[x][0];
+                if (s + 1 < TT) dst[1] = v8[x][1];
+              }
+            }
+          }
+      }
     }
   }
   hw::cp_async_wait<0>();
