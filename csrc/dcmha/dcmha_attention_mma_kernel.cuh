@@ -57,8 +57,9 @@
 // Shared memory (bytes, ldq = dh_pad + 8, ldv = dv_pad + 8 bf16 elements):
 //   stats / partials: 2 x (64 + 32) ldq x 2 (Q, K double-buffered)
 //     + 4 (7 hg 65 + 7 hg 33) (row / column weights) + 4 (2 hg 64) (row statistics)
-//     = 157 KiB at hg = 32, dh = 128 (within sm_80's 163 KiB opt-in), 124 KiB at hg = 32,
-//     dh = 64 (over the 99 KiB of sm_86/89 parts: those take hg <= 24 at dh = 64);
+//     = 27 KiB + 3.2 KiB per head of the group at dh = 64 (52 KiB + 3.2 KiB hg at dh = 128):
+//     153 KiB at hg = 32, dh = 128 (within sm_80's 163 KiB opt-in); 129 KiB at hg = 32,
+//     dh = 64, over the 99 KiB of sm_86/89 parts, which take hg <= 22 at dh = 64;
 //   output: 64 ldq x 2 + 2 x 32 (ldq + ldv) x 2 + 2 x 6 x 32 x 4 = 53 KiB at dh = dv = 128.
 #pragma once
 
