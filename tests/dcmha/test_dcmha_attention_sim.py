@@ -132,6 +132,9 @@ MMA_CASES = [
     (1, 4, 70, 64, 64, {}),
     (1, 2, 67, 37, 5, dict(causal=False)),
     (1, 2, 130, 24, 40, dict(window=1)),
+    (1, 32, 9, 8, 8, dict(head_groups=32)),
+    (2, 8, 1, 8, 8, {}),
+    (1, 6, 65, 16, 16, dict(head_groups=3, window=7, scale=0.9)),
 ]
 MMA_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
