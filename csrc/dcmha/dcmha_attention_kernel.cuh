@@ -1,5 +1,7 @@
-// DCMHA fused attention forward: device code (SPEC section 5). Compiled by nvcc for the
-// GPU and by the host compiler against the SIMT emulator.
+// DCMHA fused attention forward, SIMT kernel: device code (SPEC section 5). Compiled by nvcc
+// for the GPU and by the host compiler against the SIMT emulator. The launcher takes it
+// for fp32 inputs and for dv > 128; bf16 / fp16 run dcmha_attention_mma_kernel.cuh. Its
+// row statistics [2, B, H, T] are the layout both forwards write and the backward reads.
 //
 // One block per (query row t, batch b) holds all H heads of the row. Keys outside the
 // causal / window band are never visited. Pass 1: each thread takes keys s = tid,

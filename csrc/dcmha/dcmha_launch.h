@@ -10,13 +10,18 @@
 #include "dcmha_args.h"
 #include "dcmha_attention_bwd_kernel.cuh"
 #include "dcmha_attention_kernel.cuh"
+#include "dcmha_attention_mma_kernel.cuh"
 #include "dcmha_kernel.cuh"
 #include "dcmha_ops.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
 #include <tuple>
+#include <type_traits>
 
 namespace headwise {
 namespace dcmha {
@@ -50,6 +55,65 @@ inline size_t query_smem_bytes(const Shape& s) {
   return static_cast<size_t>(2 * kR * s.heads + s.heads + 64) * sizeof(float);
 }
 
+}  // namespace
+
+namespace {
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// The tensor-core forward (bf16 / fp16): transposed weights, statistics, then per query
+// chunk the rank partials and the output. p holds the forward's pointers and shape.
+inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& out, int dh_pad, int dv_pad) {
+  const int64_t groups = p.H / p.hg;
+  const int64_t tiles = (p.T + kTileRows - 1) / kTileRows;
+  // Scratch rows per chunk: a multiple of 64 keeping B G 8 chunk T fp32 under kScratchBytes
+  // (HEADWISE_DCMHA_SCRATCH_BYTES overrides it, for tests of the chunk loop), at least 64.
+  int64_t cap = kScratchBytes;
+  if (const char* env = std::getenv("HEADWISE_DCMHA_SCRATCH_BYTES")) cap = std::max<int64_t>(1, std::atoll(env));
+  const int64_t row_bytes = static_cast<int64_t>(p.B) * groups * 8 * p.T * 4;
+  const int64_t chunk = std::min(tiles, std::max<int64_t>(1, cap / (row_bytes * kTileRows))) * kTileRows;
+  const at::TensorOptions fopt = q.options().dtype(at::kFloat);
+  at::Tensor wt = at::empty({p.B, p.H, kWeightFields, p.T}, fopt);
+  at::Tensor partials = at::empty({p.B * groups, 8, chunk, p.T}, fopt);
+  MmaAttnParams mp{};
+  mp.f = p;
+  mp.wt = wt.data_ptr<float>();
+  mp.partials = partials.data_ptr<float>();
+  mp.chunk = static_cast<int>(chunk);
+  mp.dh_pad = dh_pad;
+  mp.dv_pad = dv_pad;
+  mp.vec16 = p.dh % 8 == 0 && p.dv % 8 == 0 && aligned16(q.data_ptr()) && aligned16(k.data_ptr()) &&
+             aligned16(v.data_ptr()) && aligned16(out.data_ptr());
+  const size_t wt_smem = static_cast<size_t>(kWeightFields) * p.H * 33 * sizeof(float);
+  const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad));
+  const size_t out_smem = static_cast<size_t>(mma_out_smem_bytes(dh_pad, dv_pad));
+  const unsigned bg = static_cast<unsigned>(p.B * groups);
+  dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same<T, float>::value) {
+      auto kw = &dcmha_attn_weights_t;
+      auto ks = &dcmha_attn_sweep<T, false>;
+      auto kp = &dcmha_attn_sweep<T, true>;
+      auto ko = dv_pad <= 32 ? &dcmha_attn_output<T, 4> : &dcmha_attn_output<T, 16>;
+      hw::allow_dynamic_smem("dcmha_attention", kw, wt_smem);
+      hw::allow_dynamic_smem("dcmha_attention", ks, loop_smem);
+      hw::allow_dynamic_smem("dcmha_attention", kp, loop_smem);
+      hw::allow_dynamic_smem("dcmha_attention", ko, out_smem);
+      HW_LAUNCH("dcmha_attn_weights_t", kw, dim3(static_cast<unsigned>((p.T + 31) / 32), static_cast<unsigned>(p.B)),
+                dim3(kMmaThreads), wt_smem, p, wt.data_ptr<float>());
+      HW_LAUNCH("dcmha_attn_stats", ks, dim3(1, static_cast<unsigned>(tiles), bg), dim3(kMmaThreads), loop_smem, mp);
+      for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
+        mp.chunk0 = static_cast<int>(c0);
+        const unsigned chunk_tiles = static_cast<unsigned>((std::min<int64_t>(chunk, p.T - c0) + kTileRows - 1) / kTileRows);
+        HW_LAUNCH("dcmha_attn_partials", kp,
+                  dim3(static_cast<unsigned>((p.T + kSplitKeys - 1) / kSplitKeys), chunk_tiles, bg), dim3(kMmaThreads),
+                  loop_smem, mp);
+        HW_LAUNCH("dcmha_attn_output", ko, dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
+                  dim3(kMmaThreads), out_smem, mp);
+      }
+    }
+  });
+}
 }  // namespace
 
 at::Tensor HW_DCMHA_ENTRY(compose)(const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2,
@@ -154,13 +218,21 @@ std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q
   p.causal = causal ? 1 : 0;
   p.window = static_cast<int>(window);
   p.scale = static_cast<float>(scale);
-  dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [&](auto tag) {
-    using T = decltype(tag);
-    auto kernel = &dcmha_attention_fwd<T>;
-    hw::allow_dynamic_smem("dcmha_attention", kernel, smem);
-    HW_LAUNCH("dcmha_attention_fwd", kernel, dim3(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch)),
-              dim3(kAttnThreads), smem, p);
-  });
+  const int dh_pad = static_cast<int>((s.head_dim + 15) / 16 * 16), dv_pad = static_cast<int>((s.v_dim + 15) / 16 * 16);
+  // bf16 / fp16 with dv <= 128 take the tensor-core kernels (dcmha_attention_mma_kernel.cuh);
+  // fp32 (and wider dv) the SIMT kernel.
+  const bool tensor_cores = q.scalar_type() != at::kFloat && dv_pad <= 128;
+  if (!tensor_cores) {
+    dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [&](auto tag) {
+      using T = decltype(tag);
+      auto kernel = &dcmha_attention_fwd<T>;
+      hw::allow_dynamic_smem("dcmha_attention", kernel, smem);
+      HW_LAUNCH("dcmha_attention_fwd", kernel, dim3(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch)),
+                dim3(kAttnThreads), smem, p);
+    });
+    return {out, stats};
+  }
+  launch_mma_attention(p, qc, kc, vc, out, dh_pad, dv_pad);
   return {out, stats};
 }
 

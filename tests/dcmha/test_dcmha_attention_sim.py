@@ -115,3 +115,98 @@ def test_sim_refuses_launches_cuda_cannot_make():
     with pytest.raises(ValueError, match=r"headwise\.dcmha_attention: needs 241064 bytes of dynamic shared memory "
                                          r"per block, more than this device's limit of 232448 bytes"):
         SIM.dcmha_attention(q, k, v, DCMHAWeights.zeros(1, 1, 1))
+
+
+# The bf16 / fp16 forward runs on the tensor-core kernels (dcmha_attention_mma_kernel.cuh):
+# odd T, dh / dv not multiples of 16 (padded in the kernel) or of 8 (no 16-byte copies),
+# head groups, windows, causal off, several query and key tiles.
+MMA_CASES = [
+    (1, 2, 3, 4, 4, {}),
+    (2, 4, 5, 8, 6, {}),
+    (1, 8, 37, 16, 16, {}),
+    (1, 16, 37, 8, 8, dict(head_groups=4)),
+    (1, 32, 5, 4, 4, {}),
+    (1, 3, 123, 16, 8, dict(window=70)),
+    (1, 4, 150, 8, 8, {}),
+    (1, 4, 37, 8, 8, dict(causal=False, window=5)),
+    (1, 4, 70, 64, 64, {}),
+    (1, 2, 67, 37, 5, dict(causal=False)),
+    (1, 2, 130, 24, 40, dict(window=1)),
+    (1, 32, 9, 8, 8, dict(head_groups=32)),
+    (2, 8, 1, 8, 8, {}),
+    (1, 6, 65, 16, 16, dict(head_groups=3, window=7, scale=0.9)),
+]
+MMA_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _mma_inputs(b, h, t, dh, dv, dtype):
+    gen = torch.Generator().manual_seed(t + h)
+    q, k = torch.randn(b, h, t, dh, generator=gen), torch.randn(b, h, t, dh, generator=gen)
+    v = torch.randn(b, h, t, dv, generator=gen)
+    w = make_weights(b, t, h, seed=h)
+    return [x.to(dtype) for x in (q, k, v)], DCMHAWeights(*(x.to(dtype) for x in w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,h,t,dh,dv,kw", MMA_CASES)
+def test_sim_tensor_core_forward_matches_reference(b, h, t, dh, dv, kw, dtype):
+    (q, k, v), w = _mma_inputs(b, h, t, dh, dv, dtype)
+    got = SIM.dcmha_attention(q, k, v, w, **kw)
+    want = reference.dcmha_attention(q.double(), k.double(), v.double(), DCMHAWeights(*(x.double() for x in w)), **kw)
+    assert got.dtype == dtype
+    assert rel_err(got.double(), want) <= MMA_TOL[dtype]
+    # The row statistics (fp32 on both sides) agree with the CPU kernel's on the same values.
+    rest = (kw.get("causal", True), kw.get("window", 0), dh ** -0.5, kw.get("head_groups", 1))
+    _, stats_sim = torch.ops.headwise_sim.dcmha_attention(q, k, v, *w, *rest)
+    _, stats_cpu = torch.ops.headwise.dcmha_attention(*(x.float() for x in (q, k, v, *w)), *rest)
+    assert rel_err(stats_sim, stats_cpu) <= 2e-6
+
+
+def test_sim_tensor_core_forward_query_chunks(monkeypatch):
+    # A scratch cap of 1 byte gives 64-row query chunks: T = 150 runs three chunks, with
+    # the same per-tile arithmetic as one chunk, so the outputs are bitwise equal.
+    (q, k, v), w = _mma_inputs(1, 4, 150, 16, 16, torch.bfloat16)
+    whole = SIM.dcmha_attention(q, k, v, w, window=90)
+    monkeypatch.setenv("HEADWISE_DCMHA_SCRATCH_BYTES", "1")
+    chunked = SIM.dcmha_attention(q, k, v, w, window=90)
+    assert torch.equal(whole, chunked)
+    assert torch.equal(chunked, SIM.dcmha_attention(q, k, v, w, window=90))
+
+
+def test_sim_tensor_core_forward_misaligned_view():
+    # A view 2 elements into its storage is not 16-byte aligned: the element-copy path.
+    (q, k, v), w = _mma_inputs(1, 2, 40, 16, 16, torch.float16)
+    flat = torch.cat([torch.zeros(2, dtype=q.dtype), q.flatten()])
+    q_off = flat[2:].view(q.shape)
+    assert q_off.data_ptr() % 16 != 0
+    assert torch.equal(SIM.dcmha_attention(q_off, k, v, w), SIM.dcmha_attention(q, k, v, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sim_backward_after_tensor_core_forward(dtype):
+    # The backward kernels read the statistics the tensor-core forward saved.
+    (q, k, v), w = _mma_inputs(1, 4, 37, 8, 8, dtype)
+    grad = torch.randn(1, 4, 37, 8, generator=torch.Generator().manual_seed(5)).to(dtype)
+
+    def run(fn, cast):
+        leaves = [cast(x).clone().requires_grad_() for x in (q, k, v, *w)]
+        out = fn(*leaves[:3], DCMHAWeights(*leaves[3:]), window=20)
+        out.backward(cast(grad))
+        return [out.detach()] + [x.grad for x in leaves]
+
+    for name, x, y in zip(NAMES, run(SIM.dcmha_attention, lambda x: x), run(reference.dcmha_attention, torch.Tensor.double)):
+        err = rel_err(x.double(), y)
+        assert err <= 3e-2, f"{name}: relative error {err:.3g}"
+
+
+def test_sim_tensor_core_scratch_is_bounded_by_the_query_chunk(monkeypatch):
+    # With 64-row query chunks the largest allocation of the forward is the partials
+    # scratch B * G * 8 * 64 * T fp32: linear in T (the default cap bounds it by 256 MiB).
+    b, h, t, d = 1, 4, 256, 8
+    (q, k, v), w = _mma_inputs(b, h, t, d, d, torch.bfloat16)
+    monkeypatch.setenv("HEADWISE_DCMHA_SCRATCH_BYTES", "1")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        SIM.dcmha_attention(q, k, v, w)
+    allocs = [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0]
+    assert allocs, "the profiler saw no allocation"
+    assert max(allocs) <= b * 8 * 64 * t * 4, max(allocs)

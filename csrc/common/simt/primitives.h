@@ -147,13 +147,16 @@ void ldmatrix_warp(const void* const* lane_in, void* const* lane_out) {
     for (int r = 0; r < 8; ++r) {
       const int lane = 8 * i + r;
       const void* row = *static_cast<const void* const*>(lane_in[lane]);
-      const std::string which = " (lane " + std::to_string(lane) + ", row " + std::to_string(r) + " of matrix " +
-                                std::to_string(i) + ")";
+      // Built only on an error: the profile library would count its heap traffic as global.
+      const auto which = [&] {
+        return " (lane " + std::to_string(lane) + ", row " + std::to_string(r) + " of matrix " + std::to_string(i) +
+               ")";
+      };
       if (!detail::in_shared_window(row, 16))
-        detail::device_error(std::string(name) + ": row address" + which +
+        detail::device_error(std::string(name) + ": row address" + which() +
                              " is not inside the block's dynamic shared memory (hw::dynamic_shared_memory())");
       if (reinterpret_cast<uintptr_t>(row) % 16 != 0)
-        detail::device_error(std::string(name) + ": row address" + which + " is not 16-byte aligned");
+        detail::device_error(std::string(name) + ": row address" + which() + " is not 16-byte aligned");
       detail::check_async_copies_visible(row, 16, name);
       std::memcpy(m[i][r], row, 16);
     }

@@ -117,6 +117,7 @@ struct State {
   uintptr_t tls_lo = 0, tls_hi = 0;
   uintptr_t os_stack_lo = 0, os_stack_hi = 0;
   std::vector<uintptr_t> stack_lo, stack_hi;
+  uintptr_t stacks_lo = UINTPTR_MAX, stacks_hi = 0;  // the hull of the block's fiber stacks
   unsigned bdx = 1, bdxy = 1;
   std::vector<Lane> lanes;
   std::unordered_map<uint64_t, PcLane> pc_lane;
@@ -175,6 +176,14 @@ inline void record(uintptr_t addr, uint32_t size, bool store, uintptr_t pc) {
   const unsigned tid = threadIdx.x + threadIdx.y * S.bdx + threadIdx.z * S.bdxy;
   if (addr >= S.stack_lo[tid] && addr < S.stack_hi[tid]) return;  // locals, parameters
   if (addr >= S.os_stack_lo && addr < S.os_stack_hi) return;        // the launch's captures
+  // A warp-collective primitive (mma.sync, ldmatrix; simt/primitives.h) runs its warp step
+  // on one lane's fiber and reads / writes the other lanes' fragment registers on their
+  // stacks: registers on the GPU, not memory traffic.
+  if (addr >= S.stacks_lo && addr < S.stacks_hi) {
+    const size_t w0 = tid & ~31u, w1 = std::min<size_t>(w0 + 32, S.stack_lo.size());
+    for (size_t l = w0; l < w1; ++l)
+      if (addr >= S.stack_lo[l] && addr < S.stack_hi[l]) return;
+  }
   Space space = kGlobal;
   if (addr >= S.smem_lo && addr < S.smem_hi) {
     space = kShared;
@@ -384,6 +393,8 @@ void block_begin(const unsigned char* dynamic_smem, size_t dynamic_smem_bytes, i
   g.bdxy = block.x * block.y;
   g.stack_lo.assign(static_cast<size_t>(nthreads), 0);
   g.stack_hi.assign(static_cast<size_t>(nthreads), 0);
+  g.stacks_lo = UINTPTR_MAX;
+  g.stacks_hi = 0;
   g.lanes.assign(static_cast<size_t>(nthreads), Lane{});
   g.pc_lane.clear();
   g.pending.clear();
@@ -394,6 +405,8 @@ void block_begin(const unsigned char* dynamic_smem, size_t dynamic_smem_bytes, i
 void fiber_stack(int thread, const void* lo, const void* hi) {
   g.stack_lo[static_cast<size_t>(thread)] = reinterpret_cast<uintptr_t>(lo);
   g.stack_hi[static_cast<size_t>(thread)] = reinterpret_cast<uintptr_t>(hi);
+  g.stacks_lo = std::min(g.stacks_lo, reinterpret_cast<uintptr_t>(lo));
+  g.stacks_hi = std::max(g.stacks_hi, reinterpret_cast<uintptr_t>(hi));
 }
 
 void block_end() {

@@ -1,0 +1,617 @@
+// DCMHA fused attention forward on tensor cores (SPEC section 5), bf16 / fp16 inputs with
+// fp32 accumulation. fp32 inputs keep the SIMT kernel of dcmha_attention_kernel.cuh.
+//
+// Math, per batch b, head group (hg heads), query row t, key s, head n of the group
+// (S_n = scale q_n[t] . k_n[s]; slot c of the weights: 0 pre-q, 1 pre-k, 2 post-q, 3 post-k):
+//   pre partials   a_r = sum_n W1[t,0,r,n] S_n        b_r = sum_n W1[s,1,r,n] S_n      (r < 2)
+//   logits         L_n = S_n (1 + G[t,0,n] + G[s,1,n]) + sum_r W2[t,0,r,n] a_r + W2[s,1,r,n] b_r
+//   probabilities  P_n = exp(L_n - M_n[t]) / Z_n[t] on kept (t, s), 0 on masked ones
+//   post partials  c_r = sum_n W1[t,2,r,n] P_n        d_r = sum_n W1[s,3,r,n] P_n
+//   output         O_m[t] = sum_s (P_m (1 + G[t,2,m] + G[s,3,m]) + sum_r W2[t,2,r,m] c_r
+//                                   + W2[s,3,r,m] d_r) v_m[s]
+// The heads of a group meet only through the 8 rank partials (a, b, c, d) of each (t, s).
+//
+// Design: three kernels, every T x S x d product on mma.sync m16n8k16 (ldmatrix operands
+// from padded shared memory filled by cp.async), 64 query rows x 32 keys per CTA tile,
+// 4 warps of 16 query rows each; scores live only in the accumulator fragments, and the
+// compose runs on those fragments (the accumulator element (row g + 8 (e >> 1), col
+// 2 (lane % 4) + (e & 1)) of n8 tile j is (t, s); the row and column weights it needs are
+// in shared memory).
+//   0. dcmha_attn_weights_t: the weights transposed to head-major [B, H, 20, T] fp32
+//      (fields 0-7 W1[c][r], 8-15 W2[c][r], 16-19 G[c]): O(B H T), so that every later
+//      weight read is a contiguous run along t or s (coalesced).
+//   1. dcmha_attn_stats: CTA per (64-row query tile, b * group), looping the key tiles of
+//      the band; per key tile two sweeps over the group's heads (each head: Q_n and K_n
+//      tiles by cp.async, double-buffered across heads): sweep A accumulates a_r, b_r in
+//      registers, sweep B recomputes S_n, forms L_n and updates the online row max M_n and
+//      sum Z_n (shared memory, one warp owns its 16 rows: no cross-warp reduction).
+//      Writes stats [2, B, H, T] (M, Z), the layout the backward reads.
+//   2. dcmha_attn_partials: CTA per (256-key split, query tile, b * group): the same two
+//      sweeps, sweep B forming P_n (from M, Z) and accumulating c_r, d_r; writes the 8
+//      partials of its (t, s) tile to the scratch [B * G, 8, chunk, T] fp32.
+//   3. dcmha_attn_output: CTA per (query tile, head m, b): flash-style loop over the key
+//      tiles of the band (K_m, V_m tiles by cp.async, double-buffered): S_m on mma, the
+//      partials of the tile read from the scratch, L_m -> P_m -> P'_m on the fragments,
+//      P'_m packed to bf16/fp16 A fragments, O_m += P'_m V_m on mma (V by ldmatrix.trans).
+//      O is staged through shared memory and stored in 16-byte chunks.
+// Kernels 2 and 3 run once per query chunk of `chunk` rows: the scratch is
+// B * G * 8 * chunk * T * 4 bytes, with chunk = a multiple of 64 chosen by the launcher so
+// the scratch stays under kScratchBytes (256 MiB) or is 64 rows (the bound). No tensor of
+// size T * S exists; the saved statistics are O(B H T).
+//
+// Why this split: the heads of a group are coupled twice per (t, s) (pre and post compose)
+// and the post compose needs every head's final softmax statistics, so each (t, s) tile is
+// visited by three sweeps. All H output accumulators of 64 rows (64 H dv fp32 = 1 MiB at
+// H = 32, dv = 128) fit no CTA, so the output kernel is per head and gets the cross-head
+// information as 8 floats per (t, s) from the scratch (L2-resident per chunk) instead of
+// recomputing every head's S_n (which would cost H times the QK^T work per head).
+// sm_90 clusters could exchange the partials through DSMEM instead of the scratch; this
+// kernel uses no sm_90-only feature, so sm_80 runs the same design.
+//
+// Budget per kept (t, s) and group of hg heads (dh = dv = d, causal halves the pairs):
+//   FLOPs: stats 2 hg (2 d) + partials 2 hg (2 d) + output hg (2 d + 2 d) = 12 hg d, against
+//   4 hg d for plain attention (3x), plus ~60 hg FLOPs of compose on the CUDA cores.
+//   Bytes: Q_n and K_n tiles re-read per key tile and sweep (L2; K/V reused by 64 query
+//   rows), the scratch written once (32 B per (t, s) and group) and read once per head
+//   (32 hg B per (t, s), L2-resident when the chunk's partials fit in L2).
+// Shared memory (bytes, ldq = dh_pad + 8, ldv = dv_pad + 8 bf16 elements):
+//   stats / partials: 2 x (64 + 32) ldq x 2 (Q, K double-buffered)
+//     + 4 (7 hg 65 + 7 hg 33) (row / column weights) + 4 (2 hg 64) (row statistics)
+//     = 27 KiB + 3.2 KiB per head of the group at dh = 64 (52 KiB + 3.2 KiB hg at dh = 128):
+//     153 KiB at hg = 32, dh = 128 (within sm_80's 163 KiB opt-in); 129 KiB at hg = 32,
+//     dh = 64, over the 99 KiB of sm_86/89 parts, which take hg <= 22 at dh = 64;
+//   output: 64 ldq x 2 + 2 x 32 (ldq + ldv) x 2 + 2 x 6 x 32 x 4 = 53 KiB at dh = dv = 128.
+#pragma once
+
+#include "../common/mma_primitives.cuh"
+#include "../common/simt_portability.h"
+#include "../common/vec.cuh"
+#include "dcmha_attention_kernel.cuh"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace headwise {
+namespace dcmha {
+
+constexpr int kTileRows = 64;   // query rows per CTA
+constexpr int kTileKeys = 32;   // keys per tile
+constexpr int kMmaThreads = 128;
+constexpr int kKeyN8 = kTileKeys / 8;         // n8 tiles of a key tile
+constexpr int kWeightFields = 20;             // W1[4][2], W2[4][2], G[4]
+constexpr int kSplitKeys = 256;               // keys per CTA of the partials kernel
+constexpr int kRowPitch = kTileRows + 1;      // smem pitch of a head's row weights
+constexpr int kColPitch = kTileKeys + 1;
+constexpr int kLoopFields = 7;                // W1 r0 r1, W2 r0 r1, G of the pre slot; W1 r0 r1 of post
+constexpr int kOutFields = 6;                 // W2 r0 r1, G of the pre and post slots (one head)
+constexpr int64_t kScratchBytes = int64_t(256) << 20;
+
+struct MmaAttnParams {
+  AttnParams f;
+  const float* wt;   // [B, H, 20, T] transposed weights
+  float* partials;   // [B * G, 8, chunk, T]
+  int chunk0;        // first query row of this chunk
+  int chunk;         // rows of the scratch (a multiple of 64)
+  int dh_pad, dv_pad;
+  int vec16;         // q, k, v, out 16-byte aligned and dh, dv multiples of 8
+};
+
+__host__ __device__ inline int wfield_w1(int c, int r) { return c * 2 + r; }
+__host__ __device__ inline int wfield_w2(int c, int r) { return 8 + c * 2 + r; }
+__host__ __device__ inline int wfield_g(int c) { return 16 + c; }
+
+__host__ __device__ inline int64_t mma_loop_smem_bytes(int hg, int dh_pad) {
+  const int ldq = dh_pad + 8;
+  return int64_t(2) * (kTileRows + kTileKeys) * ldq * 2 +
+         int64_t(4) * kLoopFields * hg * (kRowPitch + kColPitch) + int64_t(4) * 2 * hg * kTileRows;
+}
+
+__host__ __device__ inline int64_t mma_out_smem_bytes(int dh_pad, int dv_pad) {
+  const int ldq = dh_pad + 8, ldv = dv_pad + 8;
+  const int64_t q = int64_t(kTileRows) * (ldq > ldv ? ldq : ldv) * 2;  // also holds the O tile
+  return q + int64_t(2) * kTileKeys * (ldq + ldv) * 2 + int64_t(2) * kOutFields * kTileKeys * 4;
+}
+
+// (t, s) takes part in the softmax.
+__device__ __forceinline__ bool kept_pair(int t, int s, int T, int causal, int window) {
+  return s < T && (!causal || s <= t) && (window == 0 || s > t - window);
+}
+
+// The key band [lo, hi) of query rows [q0, q0 + rows).
+__device__ __forceinline__ void key_band(int q0, int rows, int T, int causal, int window, int& lo, int& hi) {
+  const int q1 = (q0 + rows < T ? q0 + rows : T) - 1;  // last real row
+  hi = causal ? q1 + 1 : T;
+  lo = window > 0 ? (q0 - window + 1 > 0 ? q0 - window + 1 : 0) : 0;
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_bf(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (std::is_same<T, c10::BFloat16>::value)
+    hw::mma_m16n8k16_bf16(d, a, b, d);
+  else
+    hw::mma_m16n8k16_f16(d, a, b, d);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T l = static_cast<T>(lo), h = static_cast<T>(hi);
+  return static_cast<uint32_t>(l.x) | (static_cast<uint32_t>(h.x) << 16);
+}
+
+// Rows [r0, r0 + rows) of a [T, d] row-major matrix into smem [rows][ld] (ld = d_pad + 8),
+// zero past T and in the columns [d, d_pad). 16-byte cp.async when vec16, else plain
+// element copies (visible after the caller's __syncthreads).
+template <typename T>
+__device__ __forceinline__ void load_rows(T* dst, const T* src, int r0, int rows, int nrows, int d, int d_pad,
+                                          int vec16) {
+  const int ld = d_pad + 8, chunks = d_pad / 8;
+  for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {
+    const int r = i / chunks, c = i % chunks, row = r0 + r;
+    T* out = dst + r * ld + c * 8;
+    if (vec16) {
+      const bool inside = row < nrows && c * 8 < d;
+      const T* g = inside ? src + static_cast<int64_t>(row) * d + c * 8 : src;
+      hw::cp_async_cg16(out, g, inside ? 16 : 0);
+    } else {
+      for (int e = 0; e < 8; ++e) {
+        const int col = c * 8 + e;
+        out[e] = (row < nrows && col < d) ? src[static_cast<int64_t>(row) * d + col] : static_cast<T>(0.f);
+      }
+    }
+  }
+}
+
+// S[16 x 32] of this warp: rows 16 warp.. of the Q tile times the K tile (both [.][ld]).
+template <typename T>
+__device__ __forceinline__ void qk_tile(float (&acc)[kKeyN8][4], const T* qs, const T* ks, int ld, int d_pad,
+                                        int warp, int lane, float scale) {
+#pragma unroll
+  for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  const int quad = lane / 8, rq = lane % 8;
+  const int a_row = warp * 16 + (quad & 1) * 8 + rq, a_col = (quad >> 1) * 8;
+  const int b_row = (quad >> 1) * 8 + rq, b_col = (quad & 1) * 8;
+  for (int k0 = 0; k0 < d_pad; k0 += 16) {
+    uint32_t fa[4];
+    hw::ldmatrix<4>(fa, qs + a_row * ld + k0 + a_col);
+#pragma unroll
+    for (int j = 0; j < kKeyN8; j += 2) {
+      uint32_t r[4];
+      hw::ldmatrix<4>(r, ks + (j * 8 + b_row) * ld + k0 + b_col);
+      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+      mma_bf<T>(acc[j], fa, b0);
+      mma_bf<T>(acc[j + 1], fa, b1);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] *= scale;
+}
+
+// Kernel 0: wt[b, h, f, t] = the weight field f of (b, t, h). CTA per (32 rows, b).
+__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_weights_t(const AttnParams p, float* wt) {
+  constexpr int kRows = 32;
+  const int b = blockIdx.y, t0 = blockIdx.x * kRows, H = p.H, TT = p.T;
+  float* s = reinterpret_cast<float*>(hw::dynamic_shared_memory());  // [20 H][kRows + 1]
+  const int rows = TT - t0 < kRows ? TT - t0 : kRows;
+  const int per_row = kWeightFields * H;
+  for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
+    const int r = i / per_row, j = i % per_row;
+    const int64_t row = static_cast<int64_t>(b) * TT + t0 + r;
+    float x;
+    if (j < 8 * H) x = p.w1[row * 8 * H + j];  // [4][R][H] contiguous: field c*2+r, head
+    else if (j < 16 * H) x = p.w2[row * 8 * H + j - 8 * H];
+    else x = p.g[row * 4 * H + j - 16 * H];
+    s[j * (kRows + 1) + r] = x;  // j = field * H + head
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < per_row * kRows; i += blockDim.x) {
+    const int j = i / kRows, r = i % kRows;
+    if (r >= rows) continue;
+    const int f = j / H, h = j % H;
+    wt[((static_cast<int64_t>(b) * H + h) * kWeightFields + f) * TT + t0 + r] = s[j * (kRows + 1) + r];
+  }
+}
+
+// Kernels 1 and 2 (Partials = false / true): CTA per (key split, query tile, b * G).
+template <typename T, bool Partials>
+__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnParams mp) {
+  const AttnParams& p = mp.f;
+  const int H = p.H, TT = p.T, hg = p.hg, G = H / hg;
+  const int bg = blockIdx.z, b = bg / G, grp = bg % G, h0 = grp * hg;
+  const int q0 = (Partials ? mp.chunk0 : 0) + blockIdx.y * kTileRows;
+  if (q0 >= TT) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  const int ldq = mp.dh_pad + 8;
+
+  int lo, hi;
+  key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
+  if (Partials) {
+    const int s_lo = blockIdx.x * kSplitKeys;
+    lo = lo > s_lo ? lo : s_lo;
+    hi = hi < s_lo + kSplitKeys ? hi : s_lo + kSplitKeys;
+  }
+  const int kt_lo = lo / kTileKeys, kt_hi = hi > lo ? (hi + kTileKeys - 1) / kTileKeys : kt_lo;
+
+  unsigned char* base = hw::dynamic_shared_memory();
+  T* qbuf = reinterpret_cast<T*>(base);                   // [2][64][ldq]
+  T* kbuf = qbuf + 2 * kTileRows * ldq;                   // [2][32][ldq]
+  float* rw = reinterpret_cast<float*>(kbuf + 2 * kTileKeys * ldq);  // [7][hg][65]
+  float* cw = rw + kLoopFields * hg * kRowPitch;                      // [7][hg][33]
+  float* st_m = cw + kLoopFields * hg * kColPitch;                    // [hg][64]
+  float* st_z = st_m + hg * kTileRows;                                // [hg][64] (Partials: 1 / Z)
+
+  const T* q = static_cast<const T*>(p.q);
+  const T* k = static_cast<const T*>(p.k);
+  const float* wt = mp.wt;
+  auto wrow = [&](int n, int f) { return wt + ((static_cast<int64_t>(b) * H + h0 + n) * kWeightFields + f) * TT; };
+  // Field numbers of the 7 loop fields, for the query side (row) and key side (column).
+  auto loop_field = [](int i, bool key) {
+    const int c = key ? 1 : 0;
+    return i < 2 ? wfield_w1(c, i) : i < 4 ? wfield_w2(c, i - 2) : i == 4 ? wfield_g(c) : wfield_w1(c + 2, i - 5);
+  };
+
+  // Row weights and statistics of the tile.
+  for (int i = threadIdx.x; i < kLoopFields * hg * kTileRows; i += blockDim.x) {
+    const int f = i / (hg * kTileRows), n = (i / kTileRows) % hg, r = i % kTileRows;
+    const int t = q0 + r;
+    rw[(f * hg + n) * kRowPitch + r] = t < TT ? wrow(n, loop_field(f, false))[t] : 0.f;
+  }
+  for (int i = threadIdx.x; i < hg * kTileRows; i += blockDim.x) {
+    const int n = i / kTileRows, r = i % kTileRows, t = q0 + r;
+    if (Partials) {
+      const int64_t so = (static_cast<int64_t>(b) * H + h0 + n) * TT + t;
+      const float z = t < TT ? p.stats[static_cast<int64_t>(p.B) * H * TT + so] : 0.f;
+      st_m[i] = t < TT ? p.stats[so] : 0.f;
+      st_z[i] = z > 0.f ? 1.f / z : 0.f;
+    } else {
+      st_m[i] = -INFINITY;
+      st_z[i] = 0.f;
+    }
+  }
+
+  const int n_items = (kt_hi - kt_lo) * 2 * hg;
+  auto issue = [&](int item) {
+    if (item < n_items) {
+      const int kt = kt_lo + item / (2 * hg), n = item % hg, stage = item & 1;
+      const int64_t head = static_cast<int64_t>(b) * H + h0 + n;
+      load_rows(qbuf + stage * kTileRows * ldq, q + head * TT * p.dh, q0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
+      load_rows(kbuf + stage * kTileKeys * ldq, k + head * TT * p.dh, kt * kTileKeys, kTileKeys, TT, p.dh, mp.dh_pad,
+                mp.vec16);
+    }
+    hw::cp_async_commit();
+  };
+
+  float pa[kR][kKeyN8][4], pb[kR][kKeyN8][4];  // a_r, b_r of the warp's 16 x 32 fragment
+  float pc[kR][kKeyN8][4], pd[kR][kKeyN8][4];  // c_r, d_r (Partials)
+  issue(0);
+  for (int item = 0; item < n_items; ++item) {
+    const int kt = kt_lo + item / (2 * hg), sweep = (item / hg) % 2, n = item % hg, stage = item & 1;
+    const int s0 = kt * kTileKeys;
+    __syncthreads();  // every warp is done with the stage of item - 1 and with cw
+    issue(item + 1);
+    if (sweep == 0 && n == 0) {
+      // A new key tile: its column weights, zero partials.
+      for (int i = threadIdx.x; i < kLoopFields * hg * kTileKeys; i += blockDim.x) {
+        const int f = i / (hg * kTileKeys), nn = (i / kTileKeys) % hg, c = i % kTileKeys, s = s0 + c;
+        cw[(f * hg + nn) * kColPitch + c] = s < TT ? wrow(nn, loop_field(f, true))[s] : 0.f;
+      }
+#pragma unroll
+      for (int r = 0; r < kR; ++r)
+#pragma unroll
+        for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pa[r][j][e] = pb[r][j][e] = pc[r][j][e] = pd[r][j][e] = 0.f;
+    }
+    hw::cp_async_wait<1>();
+    __syncthreads();
+    float acc[kKeyN8][4];
+    qk_tile<T>(acc, qbuf + stage * kTileRows * ldq, kbuf + stage * kTileKeys * ldq, ldq, mp.dh_pad, warp, lane,
+               p.scale);
+    const float* rwn = rw + n * kRowPitch;
+    const float* cwn = cw + n * kColPitch;
+    const int fs_r = hg * kRowPitch, fs_c = hg * kColPitch;  // field strides
+    if (sweep == 0) {
+#pragma unroll
+      for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = warp * 16 + gq + 8 * (e >> 1), c = j * 8 + 2 * tq + (e & 1);
+#pragma unroll
+          for (int rr = 0; rr < kR; ++rr) {
+            pa[rr][j][e] += rwn[rr * fs_r + r] * acc[j][e];
+            pb[rr][j][e] += cwn[rr * fs_c + c] * acc[j][e];
+          }
+        }
+      continue;
+    }
+    // Sweep B: the composed logits of head n.
+    float lg[kKeyN8][4];
+    bool kept[kKeyN8][4];
+#pragma unroll
+    for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = warp * 16 + gq + 8 * (e >> 1), c = j * 8 + 2 * tq + (e & 1);
+        float x = acc[j][e] * (1.f + rwn[4 * fs_r + r] + cwn[4 * fs_c + c]);
+#pragma unroll
+        for (int rr = 0; rr < kR; ++rr)
+          x += rwn[(2 + rr) * fs_r + r] * pa[rr][j][e] + cwn[(2 + rr) * fs_c + c] * pb[rr][j][e];
+        lg[j][e] = x;
+        kept[j][e] = q0 + r < TT && kept_pair(q0 + r, s0 + c, TT, p.causal, p.window);
+      }
+    if constexpr (!Partials) {
+      // Online row max and sum of head n over the warp's rows (quad = the 4 lanes of a row).
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 + gq + 8 * h;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2)
+            if (kept[j][2 * h + e2]) mx = fmaxf(mx, lg[j][2 * h + e2]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_old = st_m[n * kTileRows + r];
+        const float m_new = fmaxf(m_old, mx);
+        float sum = 0.f;
+        if (m_new != -INFINITY) {
+#pragma unroll
+          for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+            for (int e2 = 0; e2 < 2; ++e2)
+              if (kept[j][2 * h + e2]) sum += expf(lg[j][2 * h + e2] - m_new);
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (tq == 0 && m_new != -INFINITY) {
+          const float z_old = st_z[n * kTileRows + r];
+          st_z[n * kTileRows + r] = (m_old == -INFINITY ? 0.f : z_old * expf(m_old - m_new)) + sum;
+          st_m[n * kTileRows + r] = m_new;
+        }
+      }
+    } else {
+      // Partials: P_n and the post partials.
+#pragma unroll
+      for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = warp * 16 + gq + 8 * (e >> 1), c = j * 8 + 2 * tq + (e & 1);
+          const float prob = kept[j][e] ? expf(lg[j][e] - st_m[n * kTileRows + r]) * st_z[n * kTileRows + r] : 0.f;
+#pragma unroll
+          for (int rr = 0; rr < kR; ++rr) {
+            pc[rr][j][e] += rwn[(5 + rr) * fs_r + r] * prob;
+            pd[rr][j][e] += cwn[(5 + rr) * fs_c + c] * prob;
+          }
+        }
+      if (n == hg - 1) {
+        // The tile's 8 partials to the scratch [bg][8][chunk][T].
+        float* out = mp.partials + static_cast<int64_t>(bg) * 8 * mp.chunk * TT;
+#pragma unroll
+        for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = warp * 16 + gq + 8 * h, t = q0 + r, s = s0 + j * 8 + 2 * tq;
+            if (t >= TT || s >= TT) continue;
+            const int64_t at = static_cast<int64_t>(t - mp.chunk0) * TT + s;
+            const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
+            float v8[8][2];
+#pragma unroll
+            for (int e2 = 0; e2 < 2; ++e2) {
+#pragma unroll
+              for (int rr = 0; rr < kR; ++rr) {
+                v8[rr][e2] = pa[rr][j][2 * h + e2];
+                v8[2 + rr][e2] = pb[rr][j][2 * h + e2];
+                v8[4 + rr][e2] = pc[rr][j][2 * h + e2];
+                v8[6 + rr][e2] = pd[rr][j][2 * h + e2];
+              }
+            }
+            const bool pair = s + 1 < TT && (TT % 2 == 0);
+#pragma unroll
+            for (int x = 0; x < 8; ++x) {
+              float* dst = out + x * plane + at;
+              if (pair) {
+                hw::store_from_float<2>(dst, v8[x]);
+              } else {
+                dst[0] = v8[x][0];
+                if (s + 1 < TT) dst[1] = v8[x][1];
+              }
+            }
+          }
+      }
+    }
+  }
+  hw::cp_async_wait<0>();
+  if (!Partials) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < hg * kTileRows; i += blockDim.x) {
+      const int n = i / kTileRows, r = i % kTileRows, t = q0 + r;
+      if (t >= TT) continue;
+      const int64_t so = (static_cast<int64_t>(b) * H + h0 + n) * TT + t;
+      p.stats[so] = st_m[i];
+      p.stats[static_cast<int64_t>(p.B) * H * TT + so] = st_z[i];
+    }
+  }
+}
+
+// Kernel 3: CTA per (query tile of the chunk, head m, b). DvTiles = dv_pad / 8 bound.
+template <typename T, int DvTiles>
+__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnParams mp) {
+  const AttnParams& p = mp.f;
+  const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.y, b = blockIdx.z;
+  const int bg = b * (H / hg) + m / hg;
+  const int q0 = mp.chunk0 + blockIdx.x * kTileRows;
+  if (q0 >= TT) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8, dv_n8 = mp.dv_pad / 8;
+  const int64_t head = static_cast<int64_t>(b) * H + m;
+
+  unsigned char* base = hw::dynamic_shared_memory();
+  T* qs = reinterpret_cast<T*>(base);                           // [64][max(ldq, ldv)]
+  T* kbuf = qs + kTileRows * (ldq > ldv ? ldq : ldv);           // [2][32][ldq]
+  T* vbuf = kbuf + 2 * kTileKeys * ldq;                         // [2][32][ldv]
+  float* cw = reinterpret_cast<float*>(vbuf + 2 * kTileKeys * ldv);  // [2][6][32]
+
+  const T* q = static_cast<const T*>(p.q) + head * TT * p.dh;
+  const T* k = static_cast<const T*>(p.k) + head * TT * p.dh;
+  const T* v = static_cast<const T*>(p.v) + head * TT * p.dv;
+  const float* wt = mp.wt + head * kWeightFields * TT;
+  const float* part = mp.partials + static_cast<int64_t>(bg) * 8 * mp.chunk * TT;
+  const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
+  // Column field f < 6: W2 r0, W2 r1, G of slot 1 (pre), then of slot 3 (post).
+  auto out_field = [](int f) {
+    const int c = f < 3 ? 1 : 3, i = f % 3;
+    return i < 2 ? wfield_w2(c, i) : wfield_g(c);
+  };
+
+  // Row constants of this thread's two rows.
+  float rq[2][8];  // W2pre r0 r1, Gpre, W2post r0 r1, Gpost, M, 1/Z
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int t = q0 + warp * 16 + gq + 8 * h;
+    const bool in = t < TT;
+    rq[h][0] = in ? wt[wfield_w2(0, 0) * TT + t] : 0.f;
+    rq[h][1] = in ? wt[wfield_w2(0, 1) * TT + t] : 0.f;
+    rq[h][2] = in ? wt[wfield_g(0) * TT + t] : 0.f;
+    rq[h][3] = in ? wt[wfield_w2(2, 0) * TT + t] : 0.f;
+    rq[h][4] = in ? wt[wfield_w2(2, 1) * TT + t] : 0.f;
+    rq[h][5] = in ? wt[wfield_g(2) * TT + t] : 0.f;
+    rq[h][6] = in ? p.stats[head * TT + t] : 0.f;
+    const float z = in ? p.stats[static_cast<int64_t>(p.B) * H * TT + head * TT + t] : 0.f;
+    rq[h][7] = z > 0.f ? 1.f / z : 0.f;
+  }
+
+  int lo, hi;
+  key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
+  const int kt_lo = lo / kTileKeys, kt_hi = hi > lo ? (hi + kTileKeys - 1) / kTileKeys : kt_lo;
+  const int n_tiles = kt_hi - kt_lo;
+
+  load_rows(qs, q, q0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
+  auto issue = [&](int i) {
+    if (i < n_tiles) {
+      const int s0 = (kt_lo + i) * kTileKeys, stage = i & 1;
+      load_rows(kbuf + stage * kTileKeys * ldq, k, s0, kTileKeys, TT, p.dh, mp.dh_pad, mp.vec16);
+      load_rows(vbuf + stage * kTileKeys * ldv, v, s0, kTileKeys, TT, p.dv, mp.dv_pad, mp.vec16);
+      for (int x = threadIdx.x; x < kOutFields * kTileKeys; x += blockDim.x) {
+        const int f = x / kTileKeys, c = x % kTileKeys, s = s0 + c;
+        cw[(stage * kOutFields + f) * kTileKeys + c] = s < TT ? wt[out_field(f) * TT + s] : 0.f;
+      }
+    }
+    hw::cp_async_commit();
+  };
+
+  float o[DvTiles][4];
+#pragma unroll
+  for (int j = 0; j < DvTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+
+  issue(0);
+  const int quad = lane / 8, rq8 = lane % 8;
+  for (int i = 0; i < n_tiles; ++i) {
+    const int stage = i & 1, s0 = (kt_lo + i) * kTileKeys;
+    __syncthreads();
+    issue(i + 1);
+    hw::cp_async_wait<1>();
+    __syncthreads();
+    float acc[kKeyN8][4];
+    qk_tile<T>(acc, qs, kbuf + stage * kTileKeys * ldq, ldq, mp.dh_pad, warp, lane, p.scale);
+    const float* cws = cw + stage * kOutFields * kTileKeys;
+    // Compose on the fragments: L -> P -> P'.
+#pragma unroll
+    for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 + gq + 8 * h, t = q0 + r, c = j * 8 + 2 * tq, s = s0 + c;
+        float pv[8][2];
+        const bool in = t < TT && s < TT;
+        if (in) {
+          const int64_t at = static_cast<int64_t>(t - mp.chunk0) * TT + s;
+          const bool pair = s + 1 < TT && (TT % 2 == 0);
+#pragma unroll
+          for (int x = 0; x < 8; ++x) {
+            const float* src = part + x * plane + at;
+            if (pair) {
+              hw::load_as_float<2>(src, pv[x]);
+            } else {
+              pv[x][0] = src[0];
+              pv[x][1] = s + 1 < TT ? src[1] : 0.f;
+            }
+          }
+        }
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const int e = 2 * h + e2, cc = c + e2;
+          float y = 0.f;
+          if (in && kept_pair(t, s + e2, TT, p.causal, p.window)) {
+            float l = acc[j][e] * (1.f + rq[h][2] + cws[2 * kTileKeys + cc]) + rq[h][0] * pv[0][e2] +
+                      rq[h][1] * pv[1][e2] + cws[0 * kTileKeys + cc] * pv[2][e2] + cws[1 * kTileKeys + cc] * pv[3][e2];
+            const float prob = expf(l - rq[h][6]) * rq[h][7];
+            y = prob * (1.f + rq[h][5] + cws[5 * kTileKeys + cc]) + rq[h][3] * pv[4][e2] + rq[h][4] * pv[5][e2] +
+                cws[3 * kTileKeys + cc] * pv[6][e2] + cws[4 * kTileKeys + cc] * pv[7][e2];
+          } else if (in && s + e2 < TT) {
+            // Masked pairs have P = 0 but the post compose still mixes the other heads' P
+            // through the partials, which are 0 there too: P' = 0.
+            y = 0.f;
+          }
+          acc[j][e] = y;
+        }
+      }
+    // O += P' V: P' as A fragments (k = the 32 keys in two k16 steps), V by ldmatrix.trans.
+    const T* vs = vbuf + stage * kTileKeys * ldv;
+#pragma unroll
+    for (int kk = 0; kk < kTileKeys / 16; ++kk) {
+      uint32_t fa[4];
+      fa[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+      fa[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+      fa[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+      fa[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+#pragma unroll
+      for (int j = 0; j < DvTiles; j += 2) {
+        if (j >= dv_n8) break;
+        uint32_t r[4];
+        hw::ldmatrix<4, true>(r, vs + (kk * 16 + (quad & 1) * 8 + rq8) * ldv + (j + (quad >> 1)) * 8);
+        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+        mma_bf<T>(o[j], fa, b0);
+        mma_bf<T>(o[j + 1], fa, b1);
+      }
+    }
+  }
+  hw::cp_async_wait<0>();
+  __syncthreads();  // every warp is done with qs: it takes the O tile
+#pragma unroll
+  for (int j = 0; j < DvTiles; ++j) {
+    if (j >= dv_n8) break;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq;
+      qs[r * ldv + c] = static_cast<T>(o[j][2 * h]);
+      qs[r * ldv + c + 1] = static_cast<T>(o[j][2 * h + 1]);
+    }
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.out) + head * TT * p.dv;
+  const int rows = TT - q0 < kTileRows ? TT - q0 : kTileRows;
+  if (mp.vec16) {
+    const int chunks = p.dv / 8;
+    for (int x = threadIdx.x; x < rows * chunks; x += blockDim.x) {
+      const int r = x / chunks, c = x % chunks;
+      hw::store_pack<T, 8>(out + static_cast<int64_t>(q0 + r) * p.dv + c * 8,
+                           *reinterpret_cast<const hw::Pack<T, 8>*>(qs + r * ldv + c * 8));
+    }
+  } else {
+    for (int x = threadIdx.x; x < rows * p.dv; x += blockDim.x) {
+      const int r = x / p.dv, c = x % p.dv;
+      out[static_cast<int64_t>(q0 + r) * p.dv + c] = qs[r * ldv + c];
+    }
+  }
+}
+
+}  // namespace dcmha
+}  // namespace headwise
