@@ -256,7 +256,7 @@ def _merge_bytes(s):
 
 def _merge_flops(s):
     f = 2 * s["B"] * s["Q"] * s["H"] * s["Dv"] * s["D"]
-    return {"fwd": {"head_merge_fwd": f}, "stats": {"head_merge_fwd": f},
+    return {"fwd": {"head_merge_fwd_tc": f}, "stats": {"head_merge_fwd": f},
             "bwd": {"head_merge_bwd_dz": f, "head_merge_bwd_dw": f}}
 
 
@@ -355,8 +355,10 @@ OPS: dict[str, OpSpec] = {
         run=_qkv_run, min_bytes=_qkv_bytes, flops=_qkv_flops, gemm=_qkv_gemm),
     "merge": OpSpec(
         "head_merge",
-        # D = 320 > 256: the bias gradient's grid is ceil(D / 256) CTAs.
-        shapes=[dict(B=1, H=32, Q=Q, Dv=128, D=D) for Q in (32, 64) for D in (64, 320)],
+        # Q and D multiples of the tensor-core forward's 128 x 128 tile (its CTA count is
+        # then linear in Q and D); D in (256, 512): the bias gradient's finalize grid is
+        # ceil(D / 256) CTAs.
+        shapes=[dict(B=1, H=32, Q=Q, Dv=128, D=D) for Q in (128, 256) for D in (256, 512)],
         target=dict(B=4, H=32, Q=4096, Dv=128, D=4096),
         basis=lambda s: [1.0, s["B"] * s["Q"], s["D"], s["B"] * s["Q"] * s["D"]],
         run=_merge_run, min_bytes=_merge_bytes, flops=_merge_flops),
