@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_kernel(BwdParams p
 // block's kBiasRows-row chunk (a warp reads 32 consecutive elements of one row: every
 // sector it touches is fully used), then the 8 warp sums are added in warp order into
 // part[chunk, n].
-constexpr int kBiasRows = 256;
+constexpr int kBiasRows = 64;
 constexpr int kBiasCols = 32;
 
 template <typename T>

@@ -330,9 +330,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_m
   p.d = s.d;
   dispatch_storage_dtype(z.scalar_type(), op, "z", [&](auto tag) {
     using T = decltype(tag);
-    if (tensor_cores) {
-      launch_bwd_tc<T>(dy, z, weight_o, p.gate, s, grad_z, grad_w, p.c_part);
-    } else {
+    if constexpr (sizeof(T) == 2) launch_bwd_tc<T>(dy, z, weight_o, p.gate, s, grad_z, grad_w, p.c_part);
+    if (!tensor_cores) {
       auto dz = &head_merge_bwd_dz_kernel<T>;
       HW_LAUNCH("head_merge_bwd_dz", dz, dim3(static_cast<unsigned>(s.batch * s.heads * dv_tiles), q_tiles),
                 dim3(kThreads), 0, p);

@@ -292,6 +292,11 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
 // 128 elements (256-byte rows, 16-byte chunk c of row r at c ^ (r & 7): the 8 rows one
 // ldmatrix.trans phase reads land in 8 bank groups, conflict-free) and read by
 // ldmatrix.x4.trans, which hands out the k-pairs the mma fragments need.
+// Budget at the target shape (ESTIMATES, as for the forward): each GEMM is 2 B Q H Dv D =
+// 550 GFLOP; per CTA and 32-deep slice 1.05 MFLOP for 16 KiB of L2 reads (64 FLOP/byte).
+// grad_z: B*H*ceil(Q/128)*ceil(Dv/128) = 4096 CTAs over K = D; grad_weight_o:
+// H*ceil(D/128)*ceil(Dv/128) = 1024 CTAs over K = B*Q (7.8 per SM: no split needed there;
+// a CTA's reduction order is fixed, so the result is bitwise repeatable).
 // ---------------------------------------------------------------------------------------
 constexpr int kTransK = 32;                 // k rows of a transposed slice
 constexpr int kTransRowBytes = kBN * 2;     // 128 16-bit elements
