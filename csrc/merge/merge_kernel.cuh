@@ -13,7 +13,12 @@
 //   c[b,h]     = <Z[b,h], P[b,h]>
 //   dg[b,h]    = s[b] c[b,h] + ds/dS[b] sum_h' g[b,h'] c[b,h']
 //
-// All three GEMMs use one tile routine: 256 threads compute a kBM x kBN tile of fp32
+// The tensor-core kernels of merge_tc_kernel.cuh run the bf16/f16 forward without stats
+// (and fp32 under TF32) and the bf16/f16 backward GEMMs; the SIMT kernels here run fp32 in
+// full precision and the forward with stats. The bias and gate gradients below serve
+// every path.
+//
+// The three SIMT GEMMs use one tile routine: 256 threads compute a kBM x kBN tile of fp32
 // accumulators (thread (tx, ty) = (tid % 16, tid / 16) owns rows ty + 16 i, i < 2, and
 // columns tx + 16 j, j < 4), staging kBK-deep slices of both operands in shared memory
 // (converted to fp32). The forward's K loop runs over heads and skips a head whose gate
@@ -333,45 +338,72 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_kernel(BwdParams p
   }
 }
 
-// grad_bias[n] = sum over rows of dy[:, n]; one thread per column (coalesced rows).
+// grad_bias[n] = sum over rows r of dy[r, n], in two fixed-order stages (no atomics, the
+// result depends on the shape only). Stage 1: grid (ceil(rows / kBiasRows), ceil(D / 32)),
+// kThreads threads: lane l of warp w sums column n0 + l over rows w, w + 8, ... of the
+// block's kBiasRows-row chunk (a warp reads 32 consecutive elements of one row: every
+// sector it touches is fully used), then the 8 warp sums are added in warp order into
+// part[chunk, n].
+constexpr int kBiasRows = 64;
+constexpr int kBiasCols = 32;
+
 template <typename T>
-__global__ void head_merge_bwd_bias_kernel(const T* dy, T* grad_bias, int64_t rows, int64_t d) {
+__global__ void __launch_bounds__(kThreads) head_merge_bwd_bias_partial_kernel(const T* dy, float* part, int64_t rows,
+                                                                                 int64_t d) {
+  __shared__ float warp_sums[kThreads / 32][kBiasCols];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t chunk = blockIdx.x;
+  const int64_t n = static_cast<int64_t>(blockIdx.y) * kBiasCols + lane;
+  const int64_t r0 = chunk * kBiasRows;
+  const int64_t r1 = rows - r0 < kBiasRows ? rows : r0 + kBiasRows;
+  float sum = 0.f;
+  if (n < d)
+    for (int64_t r = r0 + warp; r < r1; r += kThreads / 32) sum += static_cast<float>(dy[r * d + n]);
+  warp_sums[warp][lane] = sum;
+  __syncthreads();
+  if (warp == 0 && n < d) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w][lane];
+    part[chunk * d + n] = total;
+  }
+}
+
+// Stage 2: grad_bias[n] = sum over chunks (in order) of part[chunk, n]; one thread per column.
+template <typename T>
+__global__ void head_merge_bwd_bias_finalize_kernel(const float* part, T* grad_bias, int64_t chunks, int64_t d) {
   const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (n >= d) return;
   float sum = 0.f;
-  for (int64_t r = 0; r < rows; ++r) sum += static_cast<float>(dy[r * d + n]);
+  for (int64_t c = 0; c < chunks; ++c) sum += part[c * d + n];
   grad_bias[n] = static_cast<T>(sum);
 }
 
-// The gate's gradient from the <Z, P> partials; one thread (B * H is small). grad_gate:
-// fp32 [B, H], or [H] (summed over b) when gate_per_row is false.
-__global__ void head_merge_gate_grad_kernel(Gate gate, const float* c_part, int64_t parts, int64_t batch,
-                                            float* grad_gate, bool gate_per_row) {
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+// The gate's gradient from the <Z, P> partials: grid B, kThreads threads. For batch row
+// b, c[b,h] = sum over parts (in order) of c_part[b, h, :], one thread per head (strided),
+// gc = sum_h g[b,h] c[b,h] by a fixed-order block sum, then grad_gate[b, h] (fp32 [B, H];
+// the host sums over b, in order, for an [H] gate).
+__global__ void __launch_bounds__(kThreads) head_merge_gate_grad_kernel(Gate gate, const float* c_part,
+                                                                         int64_t parts, float* grad_gate) {
+  __shared__ float red[64];
   const int64_t H = gate.heads;
-  if (!gate_per_row)
-    for (int64_t h = 0; h < H; ++h) grad_gate[h] = 0.f;
-  for (int64_t b = 0; b < batch; ++b) {
-    float dsds = 0.f;
-    const float s = gate.scale(b, &dsds);
-    float gc = 0.f;
-    for (int64_t h = 0; h < H; ++h) {
-      float c = 0.f;
-      for (int64_t t = 0; t < parts; ++t) c += c_part[(b * H + h) * parts + t];
-      gc += gate.at(b, h) * c;
-    }
-    for (int64_t h = 0; h < H; ++h) {
-      float c = 0.f;
-      for (int64_t t = 0; t < parts; ++t) c += c_part[(b * H + h) * parts + t];
-      // The rescale term only where it is active (dsds != 0): 0 * (a NaN of another head) must
-      // not reach this head's gradient.
-      const float v = dsds != 0.f ? s * c + dsds * gc : s * c;
-      if (gate_per_row) {
-        grad_gate[b * H + h] = v;
-      } else {
-        grad_gate[h] += v;
-      }
-    }
+  const int64_t b = blockIdx.x;
+  float dsds = 0.f;
+  const float s = gate.scale(b, &dsds);
+  auto c_of = [&](int64_t h) {
+    float c = 0.f;
+    for (int64_t t = 0; t < parts; ++t) c += c_part[(b * H + h) * parts + t];
+    return c;
+  };
+  float local = 0.f;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) local += gate.at(b, h) * c_of(h);
+  hw::BlockSum block_sum(red);
+  const float gc = block_sum(local);
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+    const float c = c_of(h);
+    // The rescale term only where it is active (dsds != 0): 0 * (a NaN of another head) must
+    // not reach this head's gradient.
+    grad_gate[b * H + h] = dsds != 0.f ? s * c + dsds * gc : s * c;
   }
 }
 

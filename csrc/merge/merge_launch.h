@@ -11,12 +11,17 @@
 #include "merge_args.h"
 #include "merge_kernel.cuh"
 #include "merge_ops.h"
+#include "merge_tc_kernel.cuh"
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <tuple>
+#include <type_traits>
 
 namespace headwise {
 namespace merge {
@@ -36,10 +41,15 @@ inline void check_backend(const at::Tensor& z, const Shape& s, const char* op) {
   // z the heads (limit 65535 each).
   TORCH_CHECK_VALUE((s.seq + kBM - 1) / kBM <= kMaxGridYZ && (s.d + kBM - 1) / kBM <= kMaxGridYZ &&
                         s.heads <= kMaxGridYZ && s.batch * ((s.d + kBN - 1) / kBN) <= kMaxGridX &&
-                        s.batch * s.heads * ((s.dv + kBN - 1) / kBN) <= kMaxGridX,
+                        s.batch * s.heads * ((s.dv + kBN - 1) / kBN) <= kMaxGridX &&
+                        s.batch * ((s.seq + tc::kBM - 1) / tc::kBM) * ((s.d + tc::kBN - 1) / tc::kBN) <= kMaxGridX &&
+                        s.batch * s.heads * ((s.seq + tc::kBM - 1) / tc::kBM) * ((s.dv + tc::kBN - 1) / tc::kBN) <=
+                            kMaxGridX,
                     "headwise.", op, ": shape too large for the CUDA grid (Q/", kBM, ", D/", kBM,
-                    " and H must be at most ", kMaxGridYZ, ", B*ceil(D/", kBN, ") and B*H*ceil(Dv/", kBN,
-                    ") at most ", kMaxGridX, "), got z ", shape_str(z));
+                    " and H must be at most ", kMaxGridYZ, ", B*ceil(D/", kBN, "), B*H*ceil(Dv/", kBN,
+                    "), B*ceil(Q/", tc::kBM, ")*ceil(D/", tc::kBN, ") and B*H*ceil(Q/", tc::kBM, ")*ceil(Dv/", tc::kBN,
+                    ") at most ", kMaxGridX,
+                    "), got z ", shape_str(z));
 }
 
 // The gate as fp32 on its device (undefined when absent) and its view for the kernels.
@@ -58,7 +68,146 @@ inline Gate make_gate(const at::Tensor& gate32, const Shape& s, bool rescale) {
 
 inline unsigned cdiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
+// The widest copy (16, 4 or 2 bytes) that every row slice a tensor-core kernel reads
+// allows: the base addresses and the byte strides (and offsets) it steps by, OR-ed
+// together, must all be multiples of it.
+inline int copy_bytes_for(std::initializer_list<uint64_t> addresses_and_strides) {
+  uint64_t m = 0;
+  for (uint64_t v : addresses_and_strides) m |= v;
+  return m % 16 == 0 ? 16 : (m % 4 == 0 ? 4 : 2);
+}
+
+// The strides of z's dimensions that a kernel steps over (those of size 1 never are).
+inline uint64_t z_stride_bits(const at::Tensor& z, const Shape& s) {
+  const uint64_t es = static_cast<uint64_t>(z.element_size());
+  uint64_t m = reinterpret_cast<uintptr_t>(z.data_ptr());
+  if (s.batch > 1) m |= static_cast<uint64_t>(z.stride(0)) * es;
+  if (s.heads > 1) m |= static_cast<uint64_t>(z.stride(1)) * es;
+  if (s.seq > 1) m |= static_cast<uint64_t>(z.stride(2)) * es;
+  return m;
+}
+
+inline int tc_copy_bytes(const at::Tensor& z, const at::Tensor& w, const Shape& s) {
+  const uint64_t es = static_cast<uint64_t>(z.element_size());
+  return copy_bytes_for({z_stride_bits(z, s), reinterpret_cast<uintptr_t>(w.data_ptr()),
+                         s.heads > 1 ? static_cast<uint64_t>(s.dv) * es : 0,
+                         s.d > 1 ? static_cast<uint64_t>(w.stride(0)) * es : 0});
+}
+
+// Calls pick(std::integral_constant<int, CopyBytes>) with the kernel instance for `bytes`
+// (2-byte copies exist for 16-bit types only; fp32 elements are always 4-byte aligned).
+template <typename T, typename Pick>
+void with_copy_bytes(int bytes, Pick&& pick) {
+  if (bytes == 16) {
+    pick(std::integral_constant<int, 16>{});
+  } else if constexpr (sizeof(T) == 2) {
+    if (bytes == 4)
+      pick(std::integral_constant<int, 4>{});
+    else
+      pick(std::integral_constant<int, 2>{});
+  } else {
+    pick(std::integral_constant<int, 4>{});
+  }
+}
+
+// Launches head_merge_fwd_tc_kernel (merge_tc_kernel.cuh) for y = out [B, Q, D].
+template <typename T>
+void launch_fwd_tc(const at::Tensor& z, const at::Tensor& w, const at::Tensor& bias, const Gate& gate, const Shape& s,
+                   at::Tensor& out) {
+  tc::TcFwdParams p{};
+  p.z = z.data_ptr();
+  p.z_sb = z.stride(0);
+  p.z_sh = z.stride(1);
+  p.z_sq = z.stride(2);
+  p.w = w.data_ptr();
+  p.ldw = w.stride(0);
+  p.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  p.gate = gate;
+  p.out = out.data_ptr();
+  p.batch = s.batch;
+  p.heads = s.heads;
+  p.seq = s.seq;
+  p.dv = s.dv;
+  p.d = s.d;
+  p.q_tiles = (s.seq + tc::kBM - 1) / tc::kBM;
+  p.n_tiles = (s.d + tc::kBN - 1) / tc::kBN;
+  const dim3 grid(static_cast<unsigned>(s.batch * p.q_tiles * p.n_tiles));
+  auto launch = [&](auto kernel) {
+    hw::allow_dynamic_smem("head_merge", kernel, tc::kSmemBytes);
+    HW_LAUNCH("head_merge_fwd_tc", kernel, grid, dim3(tc::kThreads), tc::kSmemBytes, p);
+  };
+  with_copy_bytes<T>(tc_copy_bytes(z, w, s),
+                     [&](auto bytes) { launch(&tc::head_merge_fwd_tc_kernel<T, decltype(bytes)::value>); });
+}
+
+// Launches the tensor-core grad_z (+ c partials) and grad_weight_o kernels (16-bit types).
+template <typename T>
+void launch_bwd_tc(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& w, const Gate& gate, const Shape& s,
+                   at::Tensor& grad_z, at::Tensor& grad_w, float* c_part) {
+  tc::TcBwdParams p{};
+  p.grad_out = dy.data_ptr();
+  p.z = z.data_ptr();
+  p.z_sb = z.stride(0);
+  p.z_sh = z.stride(1);
+  p.z_sq = z.stride(2);
+  p.w = w.data_ptr();
+  p.ldw = w.stride(0);
+  p.gate = gate;
+  p.grad_z = grad_z.data_ptr();
+  p.gz_sb = grad_z.stride(0);
+  p.gz_sh = grad_z.stride(1);
+  p.gz_sq = grad_z.stride(2);
+  p.grad_w = grad_w.data_ptr();
+  p.c_part = c_part;
+  p.batch = s.batch;
+  p.heads = s.heads;
+  p.seq = s.seq;
+  p.dv = s.dv;
+  p.d = s.d;
+  p.q_tiles = (s.seq + tc::kBM - 1) / tc::kBM;
+  p.dv_tiles = (s.dv + tc::kBN - 1) / tc::kBN;
+  p.d_tiles = (s.d + tc::kBM - 1) / tc::kBM;
+  p.gz_pairs = (z_stride_bits(grad_z, s) & (2 * sizeof(T) - 1)) == 0;
+  const uint64_t es = sizeof(T);
+  const uint64_t dy_bits = reinterpret_cast<uintptr_t>(dy.data_ptr()) | static_cast<uint64_t>(s.d) * es;
+  const int dz_bytes = copy_bytes_for({dy_bits, reinterpret_cast<uintptr_t>(w.data_ptr()),
+                                       s.heads > 1 ? static_cast<uint64_t>(s.dv) * es : 0,
+                                       s.d > 1 ? static_cast<uint64_t>(w.stride(0)) * es : 0});
+  const int dw_bytes = copy_bytes_for({dy_bits, z_stride_bits(z, s)});
+  with_copy_bytes<T>(dz_bytes, [&](auto bytes) {
+    auto kernel = &tc::head_merge_bwd_dz_tc_kernel<T, decltype(bytes)::value>;
+    hw::allow_dynamic_smem("head_merge_backward", kernel, tc::kSmemBytes);
+    HW_LAUNCH("head_merge_bwd_dz_tc", kernel, dim3(static_cast<unsigned>(s.batch * s.heads * p.q_tiles * p.dv_tiles)),
+              dim3(tc::kThreads), tc::kSmemBytes, p);
+  });
+  with_copy_bytes<T>(dw_bytes, [&](auto bytes) {
+    auto kernel = &tc::head_merge_bwd_dw_tc_kernel<T, decltype(bytes)::value>;
+    hw::allow_dynamic_smem("head_merge_backward", kernel, tc::kSmemBytes);
+    HW_LAUNCH("head_merge_bwd_dw_tc", kernel, dim3(static_cast<unsigned>(s.heads * p.d_tiles * p.dv_tiles)),
+              dim3(tc::kThreads), tc::kSmemBytes, p);
+  });
+}
+
 }  // namespace
+
+// The forward's path, one rule for both builds (the emulated build has no library GEMM):
+//   kLibraryGemm  (CUDA build) no gate and no stats: y = Z2 @ weight_o^T + bias by cuBLAS
+//                 (at::addmm), Z2 = Z as [B*Q, H*Dv]. Token-major Z (a transposed view of
+//                 [B, Q, H, Dv] memory) is that matrix already, read with no copy; other
+//                 layouts are gathered into it first (one copy, eager's concatenation).
+//                 The plain merge has no head to skip and no statistic, so the hand kernel
+//                 could only match cuBLAS (which uses wgmma on sm_90, mma.sync cannot).
+//   kTensorCore   bf16/f16, or fp32 when torch lets matmuls use TF32
+//                 (torch.backends.cuda.matmul.allow_tf32 / float32 matmul precision below
+//                 "highest"), without stats: head_merge_fwd_tc_kernel (merge_tc_kernel.cuh).
+//   kSimt         fp32 in full precision, and every call with stats: head_merge_fwd_kernel.
+enum class FwdPath { kLibraryGemm, kTensorCore, kSimt };
+
+inline FwdPath fwd_path(bool library_gemm, at::ScalarType dtype, bool allow_tf32, bool gated, bool stats) {
+  if (library_gemm && !gated && !stats) return FwdPath::kLibraryGemm;
+  if (!stats && (dtype != at::kFloat || allow_tf32)) return FwdPath::kTensorCore;
+  return FwdPath::kSimt;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_merge)(
     const at::Tensor& z, const at::Tensor& weight_o, const c10::optional<at::Tensor>& bias,
@@ -78,6 +227,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_merge)(
   const at::Tensor gate32 = gate_as_float(head_gate);
   const at::Tensor w = weight_o;  // rows stride-1 (checked); row stride = ldw
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const FwdPath path = fwd_path(/*library_gemm=*/!HW_SIM, z.scalar_type(), at::globalContext().allowTF32CuBLAS(),
+                                head_gate.has_value(), return_stats);
+  if (path == FwdPath::kLibraryGemm) {
+    const at::Tensor z2 = z.transpose(1, 2).reshape({s.rows(), s.k()});  // a view when token-major
+    at::Tensor y = out.view({s.rows(), s.d});
+    if (b.defined())
+      at::addmm_out(y, b, z2, w.t());
+    else
+      at::mm_out(y, z2, w.t());
+    return {out, z_norm, out_norm};
+  }
+  if (path == FwdPath::kTensorCore) {
+    dispatch_storage_dtype(z.scalar_type(), op, "z", [&](auto tag) {
+      launch_fwd_tc<decltype(tag)>(z, w, b, make_gate(gate32, s, rescale), s, out);
+    });
+    return {out, z_norm, out_norm};
+  }
   const int64_t n_tiles = cdiv(s.d, kBN);
   at::Tensor part = return_stats ? new_output({n_tiles, s.batch, s.seq, s.heads}, f32) : at::Tensor();
 
@@ -136,10 +302,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_m
     if (need_c) grad_gate = at::zeros(head_gate->sizes(), head_gate->options());
     return {grad_z, grad_w, grad_b, grad_gate};
   }
+  // bf16/f16: the tensor-core kernels (merge_tc_kernel.cuh); fp32: the SIMT kernels.
+  const bool tensor_cores = z.scalar_type() != at::kFloat;
   const unsigned dv_tiles = cdiv(s.dv, kBN), q_tiles = cdiv(s.seq, kBM);
-  at::Tensor c_part = need_c ? new_output({s.batch, s.heads, static_cast<int64_t>(q_tiles) * dv_tiles},
-                                          z.options().dtype(at::kFloat))
-                             : at::Tensor();
+  const int64_t parts = tensor_cores ? static_cast<int64_t>(cdiv(s.seq, tc::kBM)) * cdiv(s.dv, tc::kBN)
+                                     : static_cast<int64_t>(q_tiles) * dv_tiles;
+  at::Tensor c_part = need_c ? new_output({s.batch, s.heads, parts}, z.options().dtype(at::kFloat)) : at::Tensor();
   BwdParams p{};
   p.grad_out = dy.data_ptr();
   p.z = z.data_ptr();
@@ -162,23 +330,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_m
   p.d = s.d;
   dispatch_storage_dtype(z.scalar_type(), op, "z", [&](auto tag) {
     using T = decltype(tag);
-    auto dz = &head_merge_bwd_dz_kernel<T>;
-    HW_LAUNCH("head_merge_bwd_dz", dz, dim3(static_cast<unsigned>(s.batch * s.heads * dv_tiles), q_tiles),
-              dim3(kThreads), 0, p);
-    auto dw = &head_merge_bwd_dw_kernel<T>;
-    HW_LAUNCH("head_merge_bwd_dw", dw, dim3(dv_tiles, cdiv(s.d, kBM), static_cast<unsigned>(s.heads)),
-              dim3(kThreads), 0, p);
+    if constexpr (sizeof(T) == 2) launch_bwd_tc<T>(dy, z, weight_o, p.gate, s, grad_z, grad_w, p.c_part);
+    if (!tensor_cores) {
+      auto dz = &head_merge_bwd_dz_kernel<T>;
+      HW_LAUNCH("head_merge_bwd_dz", dz, dim3(static_cast<unsigned>(s.batch * s.heads * dv_tiles), q_tiles),
+                dim3(kThreads), 0, p);
+      auto dw = &head_merge_bwd_dw_kernel<T>;
+      HW_LAUNCH("head_merge_bwd_dw", dw, dim3(dv_tiles, cdiv(s.d, kBM), static_cast<unsigned>(s.heads)),
+                dim3(kThreads), 0, p);
+    }
     if (bias_grad) {
-      auto db = &head_merge_bwd_bias_kernel<T>;
-      HW_LAUNCH("head_merge_bwd_bias", db, dim3(cdiv(s.d, 256)), dim3(256), 0, static_cast<const T*>(dy.data_ptr()),
-                static_cast<T*>(grad_b.data_ptr()), s.rows(), s.d);
+      const int64_t chunks = cdiv(s.rows(), kBiasRows);
+      at::Tensor part = new_output({chunks, s.d}, z.options().dtype(at::kFloat));
+      auto db = &head_merge_bwd_bias_partial_kernel<T>;
+      HW_LAUNCH("head_merge_bwd_bias", db, dim3(static_cast<unsigned>(chunks), cdiv(s.d, kBiasCols)), dim3(kThreads),
+                0, static_cast<const T*>(dy.data_ptr()), part.data_ptr<float>(), s.rows(), s.d);
+      auto fin = &head_merge_bwd_bias_finalize_kernel<T>;
+      HW_LAUNCH("head_merge_bwd_bias_finalize", fin, dim3(cdiv(s.d, 256)), dim3(256), 0, part.data_ptr<float>(),
+                static_cast<T*>(grad_b.data_ptr()), chunks, s.d);
     }
   });
   if (need_c) {
-    at::Tensor gg = new_output(head_gate->sizes(), z.options().dtype(at::kFloat));
+    at::Tensor gg = new_output({s.batch, s.heads}, z.options().dtype(at::kFloat));
     auto kernel = &head_merge_gate_grad_kernel;
-    HW_LAUNCH("head_merge_gate_grad", kernel, dim3(1), dim3(32), 0, p.gate, c_part.data_ptr<float>(),
-              static_cast<int64_t>(q_tiles) * dv_tiles, s.batch, gg.data_ptr<float>(), head_gate->dim() == 2);
+    HW_LAUNCH("head_merge_gate_grad", kernel, dim3(static_cast<unsigned>(s.batch)), dim3(kThreads), 0, p.gate,
+              c_part.data_ptr<float>(), parts, gg.data_ptr<float>());
+    if (head_gate->dim() == 1) gg = gg.sum(0);  // torch's reduction: fixed order for a fixed shape
     grad_gate = gg.to(head_gate->scalar_type());
   }
   return {grad_z, grad_w, grad_b, grad_gate};

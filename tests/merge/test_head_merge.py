@@ -509,3 +509,182 @@ def test_autocast_casts_the_gemm_operands(host_backend):
         got = host_backend.head_merge(z, weight_o, bias, head_gate=gate)
     want = host_backend.head_merge(z.bfloat16(), weight_o.bfloat16(), bias.bfloat16(), head_gate=gate)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------
+# The tensor-core forward (csrc/merge/merge_tc_kernel.cuh) on the emulator: bf16/fp16
+# without stats, fp32 when torch allows TF32 matmuls. On the emulator every such call runs
+# the hand kernel (the CUDA build sends ungated calls to cuBLAS, merge_launch.h fwd_path).
+# ---------------------------------------------------------------------------------------
+TC_SHAPES = [
+    pytest.param(2, 3, 37, 40, 24, id="B2-H3-Q37-Dv40-D24"),  # Dv not a multiple of the 32-deep slice
+    pytest.param(1, 2, 5, 67, 9, id="B1-H2-Q5-Dv67-D9"),  # odd Dv: partial copies, zero-filled k
+    pytest.param(2, 2, 130, 16, 133, id="B2-H2-Q130-Dv16-D133"),  # two row and two column tiles, odd D
+    pytest.param(1, 3, 3, 72, 5, id="B1-H3-Q3-Dv72-D5"),  # three slices per head
+]
+# Copy widths: bhqd / bqhd_view with Dv % 8 == 0 take 16-byte copies, "offset2" (a view
+# 2 elements into each row) 4-byte copies, "sliced" (odd row stride) 2-byte loads.
+TC_LAYOUTS = ["bhqd", "bqhd_view", "offset2", "sliced"]
+
+
+def make_tc_z(b, h, q, dv, layout, dtype, seed=0):
+    if layout == "offset2":
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(b, h, q, dv + 2, generator=gen).to(dtype)[..., 2:]
+    return make_z(b, h, q, dv, layout, dtype=dtype, seed=seed)
+
+
+def merge64(z, w, bias, gate, rescale):
+    """The reference in fp64 on the same (rounded) inputs."""
+    return reference.head_merge(z.double(), w.double(), None if bias is None else bias.double(),
+                                head_gate=None if gate is None else gate.double(), rescale=rescale)
+
+
+def all_closed_row_gate(b, h):
+    g = torch.rand(b, h, generator=torch.Generator().manual_seed(5)) + 0.25
+    g[0] = 0  # batch row 0: every head closed, y = bias
+    return g
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("layout", TC_LAYOUTS)
+@pytest.mark.parametrize("b,h,q,dv,d", TC_SHAPES)
+def test_tensor_core_forward_matches_reference(b, h, q, dv, d, layout, dtype):
+    sim, cpu = headwise.testing.backend("sim"), headwise.testing.backend("cpu")
+    z = make_tc_z(b, h, q, dv, layout, dtype)
+    w, bias = make_params(h, dv, d, dtype=dtype)
+    gates = [(None, False), (make_gate("row_hard", b, h), False), (make_gate("soft", b, h), True),
+             (all_closed_row_gate(b, h), True)]
+    for gate, rescale in gates:
+        for bb in (bias, None):
+            out = sim.head_merge(z, w, bb, head_gate=gate, rescale=rescale)
+            assert out.dtype == dtype and out.shape == (b, q, d)
+            want = merge64(z, w, bb, gate, rescale)
+            # fp32 accumulation, one rounding of the output to 8 (bf16) / 11 (f16) bits
+            tol = 8e-3 if dtype == torch.bfloat16 else 1e-3
+            assert rel_err(out, want) <= tol, (gate, rescale, bb is None)
+            assert rel_err(out, cpu.head_merge(z, w, bb, head_gate=gate, rescale=rescale)) <= 2 * tol
+            if gate is not None and bool((gate.expand(b, h)[0] == 0).all()):
+                want0 = torch.zeros(q, d, dtype=dtype) if bb is None else bb.expand(q, d)
+                assert torch.equal(out[0], want0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_tensor_core_forward_skips_closed_heads(dtype):
+    """NaN in the closed heads' z (per batch row) does not reach the output: those tiles
+    are never loaded."""
+    sim = headwise.testing.backend("sim")
+    b, h, q, dv, d = 2, 4, 37, 24, 40
+    z = make_tc_z(b, h, q, dv, "bqhd_view", dtype).clone()
+    w, bias = make_params(h, dv, d, dtype=dtype)
+    gate = torch.rand(b, h, generator=torch.Generator().manual_seed(7)) + 0.5
+    gate[0, 1] = gate[1, 3] = 0
+    z_nan = z.clone()
+    z_nan[0, 1] = float("nan")
+    z_nan[1, 3] = float("inf")
+    out = sim.head_merge(z_nan, w, bias, head_gate=gate, rescale=True)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, merge64(z, w, bias, gate, True)) <= 8e-3
+
+
+def test_fp32_follows_torch_matmul_precision():
+    """fp32: TF32 tensor cores only when torch lets matmuls use TF32, else full precision."""
+    sim = headwise.testing.backend("sim")
+    b, h, q, dv, d = 2, 3, 37, 40, 24
+    z = make_tc_z(b, h, q, dv, "bqhd_view", torch.float32)
+    w, bias = make_params(h, dv, d)
+    gate = make_gate("soft", b, h)
+    want = merge64(z, w, bias, gate, True)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        full = sim.head_merge(z, w, bias, head_gate=gate, rescale=True)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        tf32 = {layout: sim.head_merge(make_tc_z(b, h, q, dv, layout, torch.float32), w, bias, head_gate=gate,
+                                       rescale=True) for layout in ("bqhd_view", "offset2", "sliced")}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    assert rel_err(full, want) <= 1e-6
+    for layout, out in tf32.items():
+        # TF32 operands keep 10 mantissa bits (truncated): ~1e-3 relative, far above fp32's.
+        err = rel_err(out, merge64(make_tc_z(b, h, q, dv, layout, torch.float32), w, bias, gate, True))
+        assert 1e-5 < err <= 5e-3, (layout, err)
+
+
+def _profile_launches(run):
+    import json
+
+    lib = torch.ops.headwise_sim_profile
+    lib.sim_profile_take()
+    lib.sim_profile_enable(True)
+    try:
+        run()
+    finally:
+        lib.sim_profile_enable(False)
+    return json.loads(lib.sim_profile_take())
+
+
+def test_tensor_core_forward_metrics():
+    """Every product on mma.sync (one m16n8k16 per 16x8x16 of each open head's 128x128 tile,
+    none for a closed head), global loads at the ideal sectors per request and
+    conflict-free shared memory, on aligned head-major and token-major z."""
+    import importlib.util
+
+    if importlib.util.find_spec("headwise._sim_profile") is None:
+        pytest.skip("headwise._sim_profile not built")
+    from headwise.ops import load_profile_library
+
+    ops = load_profile_library()
+    b, h, q, dv, d = 1, 3, 128, 64, 128
+    w, bias = make_params(h, dv, d, dtype=torch.bfloat16)
+    gate = torch.tensor([1.0, 0.0, 0.5])
+    for layout in ("bhqd", "bqhd_view"):
+        z = make_tc_z(b, h, q, dv, layout, torch.bfloat16)
+        recs = _profile_launches(lambda: ops.head_merge(z, w, bias, head_gate=gate))
+        (rec,) = [r for r in recs if r["kernel"] == "head_merge_fwd_tc"]
+        open_heads, slices, ksteps, warps = 2, 2, 2, 8
+        assert rec["mma"] == open_heads * slices * ksteps * warps * 16
+        assert rec["global_load_sectors"] <= 1.1 * rec["global_load_sectors_ideal"]
+        assert rec["smem_wavefronts"] <= 1.1 * rec["smem_wavefronts_ideal"]
+        # The closed head's z is never read: unique bytes of z are the open heads' only.
+        assert rec["unique_load_bytes"] <= (open_heads * q * dv + d * h * dv + d) * 2
+
+
+def grads64(z, w, bias, gate, rescale, grad):
+    """Output gradients of the fp64 reference on the same (rounded) inputs."""
+    leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (z, w, bias, gate)]
+    out = reference.head_merge(leaves[0], leaves[1], leaves[2], head_gate=leaves[3], rescale=rescale)
+    out.backward(grad.double())
+    return [t.grad if t is not None else None for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("layout", TC_LAYOUTS)
+@pytest.mark.parametrize("b,h,q,dv,d", TC_SHAPES)
+def test_tensor_core_backward_matches_reference(b, h, q, dv, d, layout, dtype):
+    """grad_z (in z's layout), grad_weight_o, grad_bias and the gate's gradient of the
+    tensor-core backward against the fp64 reference and the CPU kernel; repeatable bitwise."""
+    sim, cpu = headwise.testing.backend("sim"), headwise.testing.backend("cpu")
+    z = make_tc_z(b, h, q, dv, layout, dtype)
+    w, bias = make_params(h, dv, d, dtype=dtype)
+    grad = torch.randn(b, q, d, generator=torch.Generator().manual_seed(9)).to(dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    for gate, rescale in [(None, False), (make_gate("row_hard", b, h), False), (make_gate("soft", b, h), True),
+                          (all_closed_row_gate(b, h), True)]:
+        results = []
+        for ops in (sim, sim, cpu):
+            leaves = [z.detach().requires_grad_(), w.detach().clone().requires_grad_(),  # z keeps its strides
+                      bias.detach().clone().requires_grad_(),
+                      None if gate is None else gate.detach().clone().requires_grad_()]
+            out = ops.head_merge(leaves[0], leaves[1], leaves[2], head_gate=leaves[3], rescale=rescale)
+            out.backward(grad)
+            results.append([t.grad if t is not None else None for t in leaves])
+        want = grads64(z, w, bias, gate, rescale, grad)
+        for name, got, again, on_cpu, ref in zip(("z", "w", "bias", "gate"), *results, want):
+            if ref is None:
+                continue
+            assert torch.equal(got, again), name  # fixed-order reductions, no atomics
+            assert rel_err(got, ref) <= tol, (name, rel_err(got, ref))
+            assert rel_err(got, on_cpu) <= 2 * tol, name
+        if layout in ("bhqd", "bqhd_view"):  # dense z: grad_z in its layout
+            assert results[0][0].stride() == z.stride()

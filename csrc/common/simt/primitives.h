@@ -50,6 +50,23 @@
 #define HW_SIM_NOTE(kind, n) ((void)0)
 #endif
 
+// In the profile library the warp operations' model code (which reads every lane's
+// operands) is not instrumented: it is the emulator, not the kernel's accesses. The
+// accesses the instructions themselves make are reported per lane instead, as the
+// kernel's: ldmatrix's 16-byte shared row reads and cp.async's global read and shared
+// write (HW_SIM_COUNT, the metrics hooks of simt_metrics.cpp).
+#if defined(HW_SIM_PROFILE)
+extern "C" void __asan_loadN_noabort(uintptr_t a, size_t n);
+extern "C" void __asan_storeN_noabort(uintptr_t a, size_t n);
+#define HW_SIM_NOT_COUNTED __attribute__((no_sanitize_address))
+#define HW_SIM_COUNT(store, p, n)                                                     \
+  ((store) ? __asan_storeN_noabort(reinterpret_cast<uintptr_t>(p), static_cast<size_t>(n)) \
+           : __asan_loadN_noabort(reinterpret_cast<uintptr_t>(p), static_cast<size_t>(n)))
+#else
+#define HW_SIM_NOT_COUNTED
+#define HW_SIM_COUNT(store, p, n) ((void)0)
+#endif
+
 namespace hw_sim {
 namespace prim {
 
@@ -77,7 +94,7 @@ inline float tf32_operand(uint32_t reg) {
 
 // Runs once per warp instruction with every lane's MmaLaneOperands and float[4] result.
 template <MmaType T>
-void mma_m16n8_warp(const void* const* lane_in, void* const* lane_out) {
+HW_SIM_NOT_COUNTED void mma_m16n8_warp(const void* const* lane_in, void* const* lane_out) {
   constexpr int K = T == MmaType::tf32 ? 8 : 16;
   float A[16][K], B[K][8], C[16][8];
   for (int lane = 0; lane < 32; ++lane) {
@@ -140,15 +157,14 @@ constexpr const char* ldmatrix_name() {
 // Runs once per warp instruction: lane_in[l] points to lane l's row address (const void*),
 // lane_out[l] to its uint32_t[Num] result.
 template <int Num, bool Trans>
-void ldmatrix_warp(const void* const* lane_in, void* const* lane_out) {
+HW_SIM_NOT_COUNTED void ldmatrix_warp(const void* const* lane_in, void* const* lane_out) {
   constexpr const char* name = ldmatrix_name<Num, Trans>();
   uint16_t m[Num][8][8];  // m[i][row][col]: matrix i as stored, 8 rows of 8 b16 elements
   for (int i = 0; i < Num; ++i)
     for (int r = 0; r < 8; ++r) {
       const int lane = 8 * i + r;
       const void* row = *static_cast<const void* const*>(lane_in[lane]);
-      // Built only on an error: the profile library would count its heap traffic as global.
-      const auto which = [&] {
+      auto which = [&] {  // built only for an error message
         return " (lane " + std::to_string(lane) + ", row " + std::to_string(r) + " of matrix " + std::to_string(i) +
                ")";
       };
@@ -176,12 +192,16 @@ template <int Num, bool Trans>
 inline void ldmatrix(uint32_t (&r)[Num], const void* row_address) {
   static_assert(Num == 1 || Num == 2 || Num == 4, "ldmatrix loads 1, 2 or 4 matrices");
   uint32_t out[Num];
+  const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  if (tid % 32 < 8 * Num) HW_SIM_COUNT(false, row_address, 16);  // this lane's row
   detail::warp_op(detail::kLdmatrix, ldmatrix_name<Num, Trans>(), &ldmatrix_warp<Num, Trans>, &row_address, out);
   for (int i = 0; i < Num; ++i) r[i] = out[i];
 }
 
 // cp.async.{ca,cg}.shared.global [dst], [src], cp_size, src_size.
 inline void cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size, bool cache_global) {
+  if (src_size) HW_SIM_COUNT(false, src, src_size);
+  HW_SIM_COUNT(true, dst, cp_size);
   detail::cp_async(dst, src, cp_size, src_size, cache_global);
   HW_SIM_NOTE(cp_async_bytes, cp_size);
 }

@@ -274,9 +274,10 @@ def _merge_bytes(s):
 def _merge_flops(s):
     f = 2 * s["B"] * s["Q"] * s["H"] * s["Dv"] * s["D"]
     fo = f * (s["H"] - (s["H"] + 3) // 4) // s["H"]  # the open heads of _gate_rows
-    return {"fwd": {"head_merge_fwd": f}, "stats": {"head_merge_fwd": f},
-            "bwd": {"head_merge_bwd_dz": f, "head_merge_bwd_dw": f},
-            "gated": {"head_merge_fwd": fo, "head_merge_bwd_dz": fo, "head_merge_bwd_dw": fo}}
+    # bf16: the tensor-core kernels (merge_tc_kernel.cuh); stats still take the SIMT forward.
+    tc = {"head_merge_fwd_tc": f}, {"head_merge_bwd_dz_tc": f, "head_merge_bwd_dw_tc": f}
+    return {"fwd": tc[0], "stats": {"head_merge_fwd": f}, "bwd": tc[1],
+            "gated": {"head_merge_fwd_tc": fo, "head_merge_bwd_dz_tc": fo, "head_merge_bwd_dw_tc": fo}}
 
 
 # DCMHA (SPEC 5), R = 2. One compose is ~10 FMAs (20 FLOPs) per (t, s, head): 2 sides x R
@@ -376,8 +377,10 @@ OPS: dict[str, OpSpec] = {
         run=_qkv_run, min_bytes=_qkv_bytes, flops=_qkv_flops, gemm=_qkv_gemm),
     "merge": OpSpec(
         "head_merge",
-        # D = 320 > 256: the bias gradient's grid is ceil(D / 256) CTAs.
-        shapes=[dict(B=1, H=32, Q=Q, Dv=128, D=D) for Q in (32, 64) for D in (64, 320)],
+        # Q and D multiples of the tensor-core forward's 128 x 128 tile (its CTA count is
+        # then linear in Q and D); D in (256, 512): the bias gradient's finalize grid is
+        # ceil(D / 256) CTAs.
+        shapes=[dict(B=1, H=32, Q=Q, Dv=128, D=D) for Q in (128, 256) for D in (256, 512)],
         target=dict(B=4, H=32, Q=4096, Dv=128, D=4096),
         basis=lambda s: [1.0, s["B"] * s["Q"], s["D"], s["B"] * s["Q"] * s["D"]],
         run=_merge_run, min_bytes=_merge_bytes, flops=_merge_flops),
@@ -449,23 +452,7 @@ def profile_op(key: str, ops, lib) -> list[dict]:
                 launch.update(op=f"{spec.name} {phase}", op_key=key, phase=phase, shape=dict(shape), dtype="bfloat16")
                 records.append(launch)
     _resolve_lines(records)
-    for rec in records:
-        _tensor_core_traffic(rec)
     return records
-
-
-def _tensor_core_traffic(rec: dict) -> None:
-    """cp.async copies run in the emulator's uninstrumented runtime and are counted only as
-    cp_async_bytes: they are added here as global loads of full 16-byte chunks, one warp
-    request per 512 bytes, and as L2 traffic (an analytic model: their unique bytes, and so
-    the HBM and latency terms, and their sector efficiency are not measured)."""
-    cp = rec.get("cp_async_bytes", 0)
-    if cp:
-        rec["global_load_requests"] += cp // 512
-        rec["global_load_sectors"] += cp // 32
-        rec["global_load_sectors_ideal"] += cp // 32
-        rec["global_load_bytes"] += cp
-        rec["l2_sectors"] += cp // 32
 
 
 def _finish(rec: dict, spec: OpSpec, shape: dict, reports) -> dict:

@@ -1,0 +1,606 @@
+// Head merge on tensor cores (SPEC section 3): the forward (bf16/f16, fp32 as TF32) and
+// the backward's grad_z and grad_weight_o GEMMs (bf16/f16); device code shared by nvcc
+// and the SIMT emulator. The host (merge_launch.h, fwd_path) sends plain ungated calls
+// without stats to cuBLAS instead on the GPU. Notation as in merge_kernel.cuh:
+//   y[b, q, :] = bias + sum_h alpha[b,h] Z[b,h,q,:] @ W_h^T,   W_h = weight_o[:, h*Dv:(h+1)*Dv]
+// with z [B, H, Q, Dv] read in place (any strides, stride-1 last dim), weight_o [D, H*Dv]
+// (stride-1 rows, row stride ldw), out [B, Q, D] contiguous.
+//
+// Design
+//   One CTA computes a kBM x kBN = 128 x 128 tile of y for one batch row b: rows q0.. of
+//   Z[b, :, :, :] against rows n0.. of weight_o. Its K loop runs over the open heads of
+//   row b (gate != 0; a closed head is never read and costs no MMA) and, per head, over
+//   ceil(Dv / kBK) slices of kBK elements of Dv (kBK = 64 bytes: 32 bf16/f16 or 16 fp32);
+//   Dv past its end is zero-filled by the copies, so odd Dv needs no padding in memory.
+//   The A tile of a slice is Z[b, h, q0 + r, k..k+kBK) (row stride z.stride(2)) and the B
+//   tile weight_o[n0 + n, h*Dv + k..) (row stride ldw): both are K-contiguous rows, read
+//   in place by cp.async (the gather is the load), 16-byte copies when every address is
+//   16-byte aligned, else 4-byte copies, else (2-byte types at odd element offsets)
+//   plain 2-byte loads and shared stores (CopyBytes, chosen by the host).
+//   8 warps as 2 (M) x 4 (N), warp tile 64 x 32, mma.sync m16n8k16 bf16/f16 (or m16n8k8
+//   tf32 for fp32 inputs when torch allows TF32 matmuls), fp32 accumulators; operands
+//   come by ldmatrix.x4 from a swizzled 3-stage shared ring (the layout and pipeline of
+//   csrc/gemm/sample_gemm_kernel.cuh: 64-byte rows, chunk c of row r at c ^ ((r >> 1) & 3),
+//   conflict-free for both the copies and ldmatrix; 48 KiB).
+//   alpha: the accumulators hold sum_h (alpha_h / alpha_cur) P_h while head `cur` is
+//   accumulated: at a change of alpha between open heads they are multiplied by
+//   alpha_prev / alpha_new, and by the last alpha in the epilogue (no second accumulator
+//   set, so no extra registers; exact up to fp32 rounding while the ratios of the open
+//   heads' alphas stay inside the fp32 range). Binary gates and no gate are one alpha:
+//   a single multiply in the epilogue. The bias is added in the epilogue.
+//
+// Budget at the target shape B*Q = 16384, H = 32, Dv = 128, D = 4096, bf16 (ESTIMATES,
+// the H200 model of python/headwise/bench/sim_profile.py; nothing measured on a GPU)
+//   FLOPs 2 B Q H Dv D = 550 GFLOP; unique bytes 2 (B Q H Dv + D H Dv + B Q D) = 302 MB.
+//   Per CTA and k slice: 2 * 128 * 128 * 32 = 1.05 MFLOP for 16 KiB of L2 reads, i.e. 64
+//   FLOP per L2 byte; 4096 CTAs; mma-bound (~0.85 ms at 65% of the bf16 dense peak) like
+//   the sample GEMM: per warp and 16-deep step 6 ldmatrix.x4 feed 16 mma.
+#pragma once
+
+#include "../common/mma_primitives.cuh"
+#include "../common/simt_portability.h"
+#include "merge_kernel.cuh"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace headwise {
+namespace merge {
+namespace tc {
+
+constexpr int kBM = 128, kBN = 128;
+constexpr int kChunks = 4;        // 16-byte chunks per shared row (64-byte rows)
+constexpr int kRowBytes = 16 * kChunks;
+constexpr int kStages = 3;
+constexpr int kWarpsM = 2, kWarpsN = 4;
+constexpr int kThreads = 32 * kWarpsM * kWarpsN;
+constexpr int kWarpM = kBM / kWarpsM, kWarpN = kBN / kWarpsN;  // 64 x 32
+constexpr int kMmaM = kWarpM / 16, kMmaN = kWarpN / 8;           // 4 x 4 mma tiles per warp
+constexpr int kTileBytes = kBM * kRowBytes;                      // one operand slice, 8 KiB
+constexpr size_t kSmemBytes = static_cast<size_t>(kStages) * 2 * kTileBytes;  // 48 KiB
+static_assert(kBM == kBN, "A and B slices share one shape");
+static_assert((kBM * kChunks) % kThreads == 0, "every thread copies the same number of chunks");
+
+// Elements of T per 16-byte chunk and per kBK slice.
+template <typename T>
+constexpr int kChunkElems = 16 / static_cast<int>(sizeof(T));
+template <typename T>
+constexpr int kBK = kChunks * kChunkElems<T>;
+
+// Byte offset of (row, 16-byte chunk) in a swizzled [kBM x 64 B] slice.
+__device__ __forceinline__ int swizzle(int row, int chunk) { return row * kRowBytes + ((chunk ^ ((row >> 1) & 3)) * 16); }
+
+// One k16 (bf16/f16) or k8 (tf32) step: the A fragment covers 32 bytes of k, as does B.
+template <typename T>
+__device__ __forceinline__ void mma_step(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (std::is_same<T, c10::BFloat16>::value)
+    hw::mma_m16n8k16_bf16(d, a, b, d);
+  else if constexpr (std::is_same<T, c10::Half>::value)
+    hw::mma_m16n8k16_f16(d, a, b, d);
+  else
+    hw::mma_m16n8k8_tf32(d, a, b, d);  // fp32 bit patterns; the tensor core drops the low 13 mantissa bits
+}
+
+// Copies the first `valid` (0..kChunkElems) elements of a 16-byte chunk at src into the
+// shared chunk dst and zero-fills the rest. `fallback` is a readable address used as the
+// source of copies that read nothing. CopyBytes: 16, 4, or 2 (plain loads, 2-byte types).
+template <typename T, int CopyBytes>
+__device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* src, int valid, const T* fallback) {
+  constexpr int E = kChunkElems<T>;
+  if constexpr (CopyBytes == 16) {
+    hw::cp_async_cg16(dst, valid > 0 ? src : fallback, valid * static_cast<int>(sizeof(T)));
+  } else if constexpr (CopyBytes == 4) {
+    constexpr int per = 4 / static_cast<int>(sizeof(T));
+#pragma unroll
+    for (int i = 0; i < 16 / 4; ++i) {
+      int v = valid - i * per;
+      v = v < 0 ? 0 : (v > per ? per : v);
+      hw::cp_async_ca<4>(dst + 4 * i, v > 0 ? src + i * per : fallback, v * static_cast<int>(sizeof(T)));
+    }
+  } else {
+    static_assert(CopyBytes == 2 && sizeof(T) == 2, "2-byte copies are for 2-byte types");
+    T* d = reinterpret_cast<T*>(dst);
+#pragma unroll
+    for (int i = 0; i < E; ++i) d[i] = i < valid ? src[i] : T(0.f);
+  }
+}
+
+struct TcFwdParams {
+  const void* z;
+  int64_t z_sb, z_sh, z_sq;
+  const void* w;
+  int64_t ldw;
+  const void* bias;  // [D] or nullptr
+  Gate gate;
+  void* out;         // [B, Q, D] contiguous
+  int64_t batch, heads, seq, dv, d;
+  int64_t q_tiles, n_tiles;
+};
+
+// grid (B * ceil(Q / kBM) * ceil(D / kBN)), kThreads threads, kSmemBytes dynamic shared
+// memory: blockIdx.x = (b * q_tiles + q tile) * n_tiles + n tile (the column tiles of one
+// row tile are adjacent, so they share its Z slices in L2).
+template <typename T, int CopyBytes>
+__global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams p) {
+  constexpr int E = kChunkElems<T>;
+  constexpr int BK = kBK<T>;
+  unsigned char* smem = hw::dynamic_shared_memory();
+  auto a_tile = [&](int stage) { return smem + stage * 2 * kTileBytes; };
+  auto b_tile = [&](int stage) { return smem + stage * 2 * kTileBytes + kTileBytes; };
+  const int64_t tile = blockIdx.x;
+  const int64_t tile_n = tile % p.n_tiles;
+  const int64_t tile_q = (tile / p.n_tiles) % p.q_tiles;
+  const int64_t b = tile / (p.n_tiles * p.q_tiles);
+  const int64_t n0 = tile_n * kBN, q0 = tile_q * kBM;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = (warp % kWarpsM) * kWarpM, wn = (warp / kWarpsM) * kWarpN;
+  const T* z = static_cast<const T*>(p.z) + b * p.z_sb + q0 * p.z_sq;
+  const T* w = static_cast<const T*>(p.w) + n0 * p.ldw;
+  const int64_t rows_a = p.seq - q0 < kBM ? p.seq - q0 : kBM;
+  const int64_t rows_b = p.d - n0 < kBN ? p.d - n0 : kBN;
+  const int64_t slices = (p.dv + BK - 1) / BK;  // k slices per head
+
+  int64_t open = 0;
+  for (int64_t h = 0; h < p.heads; ++h) open += p.gate.at(b, h) != 0.f;
+  const int64_t k_tiles = open * slices;
+  const float s = p.gate.scale(b);
+
+  // The copy cursor: head and slice of the next slice to issue.
+  int64_t issue_h = 0, issue_slice = 0;
+  while (issue_h < p.heads && p.gate.at(b, issue_h) == 0.f) ++issue_h;
+  auto issue = [&](int64_t kt) {
+    if (kt < k_tiles) {
+      const int st = static_cast<int>(kt % kStages);
+      const int64_t k = issue_slice * BK;
+      const T* za = z + issue_h * p.z_sh + k;
+      const T* wb = w + issue_h * p.dv + k;
+#pragma unroll
+      for (int i = 0; i < kBM * kChunks / kThreads; ++i) {
+        const int id = threadIdx.x + i * kThreads;
+        const int r = id / kChunks, c = id % kChunks;
+        const int64_t left = p.dv - k - c * E;
+        const int valid_k = left <= 0 ? 0 : (left >= E ? E : static_cast<int>(left));
+        copy_chunk<T, CopyBytes>(a_tile(st) + swizzle(r, c), za + r * p.z_sq + c * E, r < rows_a ? valid_k : 0, z);
+        copy_chunk<T, CopyBytes>(b_tile(st) + swizzle(r, c), wb + r * p.ldw + c * E, r < rows_b ? valid_k : 0, w);
+      }
+      if (++issue_slice == slices) {
+        issue_slice = 0;
+        do ++issue_h;
+        while (issue_h < p.heads && p.gate.at(b, issue_h) == 0.f);
+      }
+    }
+    hw::cp_async_commit();
+  };
+
+  float acc[kMmaM][kMmaN][4];
+#pragma unroll
+  for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+    for (int j = 0; j < kMmaN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+#pragma unroll
+  for (int kt = 0; kt < kStages - 1; ++kt) issue(kt);
+
+  // ldmatrix.x4 row addresses of this lane (as in the sample GEMM). A (m16 x 32 bytes of
+  // k): matrix i = lane / 8 covers rows (i & 1) * 8.. and chunk i >> 1, giving a0..a3 in
+  // mma order for both the k16 16-bit and the k8 tf32 fragments. B ([n][k] rows, two n8
+  // tiles): matrix i covers n rows (i >> 1) * 8.. and chunk i & 1, giving b0, b1 of n
+  // tile 2j and of n tile 2j + 1.
+  const int quad = lane / 8, row_in_quad = lane % 8;
+  const int a_row = (quad & 1) * 8 + row_in_quad, a_chunk = quad >> 1;
+  const int b_row = (quad >> 1) * 8 + row_in_quad, b_chunk = quad & 1;
+
+  // The compute cursor: alpha of the head being accumulated (acc holds the sum scaled
+  // by 1 / alpha_cur).
+  int64_t comp_h = -1, comp_slice = slices - 1;
+  float alpha_cur = 1.f;
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    if (++comp_slice == slices) {  // the next open head
+      comp_slice = 0;
+      do ++comp_h;
+      while (p.gate.at(b, comp_h) == 0.f);
+      const float alpha = s * p.gate.at(b, comp_h);
+      if (kt == 0) {
+        alpha_cur = alpha;  // acc is still 0: no rescale (1 / alpha may overflow)
+      } else if (alpha != alpha_cur) {
+        const float ratio = alpha_cur / alpha;
+#pragma unroll
+        for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+          for (int j = 0; j < kMmaN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] *= ratio;
+        alpha_cur = alpha;
+      }
+    }
+    hw::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    issue(kt + kStages - 1);
+    const unsigned char* at = a_tile(static_cast<int>(kt % kStages));
+    const unsigned char* bt = b_tile(static_cast<int>(kt % kStages));
+#pragma unroll
+    for (int ks = 0; ks < kChunks / 2; ++ks) {
+      uint32_t fa[kMmaM][4], fb[kMmaN][2];
+#pragma unroll
+      for (int i = 0; i < kMmaM; ++i) hw::ldmatrix<4>(fa[i], at + swizzle(wm + i * 16 + a_row, ks * 2 + a_chunk));
+#pragma unroll
+      for (int j = 0; j < kMmaN; j += 2) {
+        uint32_t r[4];
+        hw::ldmatrix<4>(r, bt + swizzle(wn + j * 8 + b_row, ks * 2 + b_chunk));
+        fb[j][0] = r[0];
+        fb[j][1] = r[1];
+        fb[j + 1][0] = r[2];
+        fb[j + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+        for (int j = 0; j < kMmaN; ++j) mma_step<T>(acc[i][j], fa[i], fb[j]);
+    }
+  }
+  hw::cp_async_wait<0>();  // only empty groups remain; leave no copy in flight at exit
+
+  // Epilogue: y = alpha_cur * acc + bias. Accumulator e of mma tile (i, j): row g + 8 (e >> 1),
+  // column 2t + (e & 1) of the tile; the two columns of a row are stored as one pair
+  // when D is even (4-byte aligned for 16-bit types).
+  const int g = lane >> 2, t = lane & 3;
+  const T* bias = static_cast<const T*>(p.bias);
+  T* out = static_cast<T*>(p.out) + (b * p.seq + q0) * p.d + n0;
+  const bool pairs = p.d % 2 == 0;
+#pragma unroll
+  for (int j = 0; j < kMmaN; ++j) {
+    const int col = wn + j * 8 + 2 * t;
+    float bias0 = 0.f, bias1 = 0.f;
+    if (bias != nullptr) {
+      if (col < rows_b) bias0 = static_cast<float>(bias[n0 + col]);
+      if (col + 1 < rows_b) bias1 = static_cast<float>(bias[n0 + col + 1]);
+    }
+#pragma unroll
+    for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = wm + i * 16 + g + 8 * half;
+        if (row >= rows_a) continue;
+        const T v0 = static_cast<T>(fmaf(alpha_cur, acc[i][j][2 * half], bias0));
+        const T v1 = static_cast<T>(fmaf(alpha_cur, acc[i][j][2 * half + 1], bias1));
+        T* o = out + row * p.d + col;
+        if (pairs && col + 1 < rows_b) {
+          struct alignas(2 * sizeof(T)) Pair {
+            T x, y;
+          };
+          *reinterpret_cast<Pair*>(o) = Pair{v0, v1};
+        } else {
+          if (col < rows_b) o[0] = v0;
+          if (col + 1 < rows_b) o[1] = v1;
+        }
+      }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward on tensor cores (bf16/f16; fp32 keeps the SIMT kernels of merge_kernel.cuh).
+//   dZ[b,h] = alpha[b,h] P[b,h],  P[b,h] = dy_b @ W_h  [Q, Dv],  c[b,h] = <Z[b,h], P[b,h]>
+//   dW_h    = sum_b alpha[b,h] dy_b^T Z[b,h]  [D, Dv]
+// Both use the forward's CTA shape (128 x 128 tile, 8 warps of 64 x 32, 3-stage cp.async
+// ring, 16 KiB per stage). An operand whose k axis is its rows in memory (W_h for dZ:
+// [k = n of D][Dv]; dy^T and Z for dW: [k = q][*]) is staged as kTransK = 32 k-rows of
+// 128 elements (256-byte rows, 16-byte chunk c of row r at c ^ (r & 7): the 8 rows one
+// ldmatrix.trans phase reads land in 8 bank groups, conflict-free) and read by
+// ldmatrix.x4.trans, which hands out the k-pairs the mma fragments need.
+// Budget at the target shape (ESTIMATES, as for the forward): each GEMM is 2 B Q H Dv D =
+// 550 GFLOP; per CTA and 32-deep slice 1.05 MFLOP for 16 KiB of L2 reads (64 FLOP/byte).
+// grad_z: B*H*ceil(Q/128)*ceil(Dv/128) = 4096 CTAs over K = D; grad_weight_o:
+// H*ceil(D/128)*ceil(Dv/128) = 1024 CTAs over K = B*Q (7.8 per SM: no split needed there;
+// a CTA's reduction order is fixed, so the result is bitwise repeatable).
+// ---------------------------------------------------------------------------------------
+constexpr int kTransK = 32;                 // k rows of a transposed slice
+constexpr int kTransRowBytes = kBN * 2;     // 128 16-bit elements
+static_assert(kTransK * kTransRowBytes == kTileBytes, "a transposed slice has the size of a plain one");
+
+__device__ __forceinline__ int swizzle_t(int row, int chunk) { return row * kTransRowBytes + ((chunk ^ (row & 7)) * 16); }
+
+// Copies one transposed slice: rows k0 + r (r < kTransK) of a row-major operand src
+// (element (k, n) at src[k * ld + n]), columns n0 .. n0 + 127; elements with k >= k_end or
+// n >= n_end are zero-filled.
+template <typename T, int CopyBytes>
+__device__ __forceinline__ void load_trans_slice(unsigned char* tile, const T* src, int64_t ld, int64_t k_rows,
+                                                 int64_t n_cols, const T* fallback) {
+#pragma unroll
+  for (int i = 0; i < kTransK * 16 / kThreads; ++i) {
+    const int id = threadIdx.x + i * kThreads;
+    const int r = id / 16, c = id % 16;
+    const int64_t left = n_cols - c * 8;
+    const int valid = r >= k_rows || left <= 0 ? 0 : (left >= 8 ? 8 : static_cast<int>(left));
+    copy_chunk<T, CopyBytes>(tile + swizzle_t(r, c), src + r * ld + c * 8, valid, fallback);
+  }
+}
+
+// Copies one plain slice: rows r < kBM of src (element (r, k) at src[r * ld + k]), k in
+// [0, 32) chunks; rows >= rows_valid or k >= k_valid zero-filled.
+template <typename T, int CopyBytes>
+__device__ __forceinline__ void load_plain_slice(unsigned char* tile, const T* src, int64_t ld, int64_t rows_valid,
+                                                 int64_t k_valid, const T* fallback) {
+#pragma unroll
+  for (int i = 0; i < kBM * kChunks / kThreads; ++i) {
+    const int id = threadIdx.x + i * kThreads;
+    const int r = id / kChunks, c = id % kChunks;
+    const int64_t left = k_valid - c * 8;
+    const int valid = r >= rows_valid || left <= 0 ? 0 : (left >= 8 ? 8 : static_cast<int>(left));
+    copy_chunk<T, CopyBytes>(tile + swizzle(r, c), src + r * ld + c * 8, valid, fallback);
+  }
+}
+
+// B fragments of n tiles j, j + 1 (16 columns from n_col) for the 16 k rows from k_row of a
+// transposed slice.
+__device__ __forceinline__ void ldmatrix_b_trans(uint32_t (&b0)[2], uint32_t (&b1)[2], const unsigned char* tile,
+                                                 int k_row, int n_col, int lane) {
+  const int quad = lane / 8;
+  uint32_t r[4];
+  hw::ldmatrix<4, true>(r, tile + swizzle_t(k_row + (quad & 1) * 8 + lane % 8, n_col / 8 + (quad >> 1)));
+  b0[0] = r[0];
+  b0[1] = r[1];
+  b1[0] = r[2];
+  b1[1] = r[3];
+}
+
+// A fragment (16 m rows from m_row x 16 k rows from k_row) of a transposed slice
+// (stored [k][m]): a0 (m 0-7, k 0-7), a1 (m 8-15, k 0-7), a2 (m 0-7, k 8-15), a3 (m 8-15, k 8-15).
+__device__ __forceinline__ void ldmatrix_a_trans(uint32_t (&a)[4], const unsigned char* tile, int k_row, int m_row,
+                                                 int lane) {
+  const int quad = lane / 8;
+  hw::ldmatrix<4, true>(a, tile + swizzle_t(k_row + (quad >> 1) * 8 + lane % 8, m_row / 8 + (quad & 1)));
+}
+
+struct TcBwdParams {
+  const void* grad_out;  // [B, Q, D] contiguous
+  const void* z;
+  int64_t z_sb, z_sh, z_sq;
+  const void* w;
+  int64_t ldw;
+  Gate gate;
+  void* grad_z;
+  int64_t gz_sb, gz_sh, gz_sq;
+  void* grad_w;    // [D, H*Dv] contiguous
+  float* c_part;   // [B, H, q_tiles * dv_tiles] or nullptr (no gate gradient)
+  int64_t batch, heads, seq, dv, d;
+  int64_t q_tiles, dv_tiles, d_tiles;
+  bool gz_pairs;   // grad_z rows allow 2-element stores
+};
+
+// grad_z and c: grid (B * H * q_tiles * dv_tiles), kThreads threads, kSmemBytes:
+// blockIdx.x = ((b * H + h) * q_tiles + q tile) * dv_tiles + Dv tile. K loop over D in
+// 32-deep slices: A = dy_b rows (plain), B = W[k, h*Dv + n] (transposed slice).
+template <typename T, int CopyBytes>
+__global__ void __launch_bounds__(kThreads) head_merge_bwd_dz_tc_kernel(TcBwdParams p) {
+  unsigned char* smem = hw::dynamic_shared_memory();
+  auto a_tile = [&](int stage) { return smem + stage * 2 * kTileBytes; };
+  auto b_tile = [&](int stage) { return smem + stage * 2 * kTileBytes + kTileBytes; };
+  __shared__ float red[64];
+  const int64_t tile = blockIdx.x;
+  const int64_t tile_n = tile % p.dv_tiles;
+  const int64_t tile_q = (tile / p.dv_tiles) % p.q_tiles;
+  const int64_t bh = tile / (p.dv_tiles * p.q_tiles);
+  const int64_t b = bh / p.heads, h = bh % p.heads;
+  const int64_t n0 = tile_n * kBN, q0 = tile_q * kBM;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = (warp % kWarpsM) * kWarpM, wn = (warp / kWarpsM) * kWarpN;
+  const int64_t rows = p.seq - q0 < kBM ? p.seq - q0 : kBM;
+  const int64_t cols = p.dv - n0 < kBN ? p.dv - n0 : kBN;
+  const T* dy = static_cast<const T*>(p.grad_out) + (b * p.seq + q0) * p.d;
+  const T* w = static_cast<const T*>(p.w) + h * p.dv + n0;
+  const float g = p.gate.at(b, h);
+  const bool need_c = p.c_part != nullptr;
+  // A closed head's P is only needed for the gate's gradient.
+  const int64_t k_tiles = (g != 0.f || need_c) ? (p.d + kTransK - 1) / kTransK : 0;
+
+  auto issue = [&](int64_t kt) {
+    if (kt < k_tiles) {
+      const int st = static_cast<int>(kt % kStages);
+      const int64_t k0 = kt * kTransK;
+      load_plain_slice<T, CopyBytes>(a_tile(st), dy + k0, p.d, rows, p.d - k0, dy);
+      load_trans_slice<T, CopyBytes>(b_tile(st), w + k0 * p.ldw, p.ldw, p.d - k0, cols, w);
+    }
+    hw::cp_async_commit();
+  };
+  float acc[kMmaM][kMmaN][4];
+#pragma unroll
+  for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+    for (int j = 0; j < kMmaN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+#pragma unroll
+  for (int kt = 0; kt < kStages - 1; ++kt) issue(kt);
+  const int quad = lane / 8, row_in_quad = lane % 8;
+  const int a_row = (quad & 1) * 8 + row_in_quad, a_chunk = quad >> 1;
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    hw::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    issue(kt + kStages - 1);
+    const unsigned char* at = a_tile(static_cast<int>(kt % kStages));
+    const unsigned char* bt = b_tile(static_cast<int>(kt % kStages));
+#pragma unroll
+    for (int ks = 0; ks < kTransK / 16; ++ks) {
+      uint32_t fa[kMmaM][4], fb[kMmaN][2];
+#pragma unroll
+      for (int i = 0; i < kMmaM; ++i) hw::ldmatrix<4>(fa[i], at + swizzle(wm + i * 16 + a_row, ks * 2 + a_chunk));
+#pragma unroll
+      for (int j = 0; j < kMmaN; j += 2) ldmatrix_b_trans(fb[j], fb[j + 1], bt, ks * 16, wn + j * 8, lane);
+#pragma unroll
+      for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+        for (int j = 0; j < kMmaN; ++j) mma_step<T>(acc[i][j], fa[i], fb[j]);
+    }
+  }
+  hw::cp_async_wait<0>();
+
+  // Epilogue: dZ = alpha P in z's layout; c partial = sum of Z * P over the tile.
+  const float alpha = p.gate.scale(b) * g;
+  const int gq = lane >> 2, t = lane & 3;
+  const T* z = static_cast<const T*>(p.z) + b * p.z_sb + h * p.z_sh + q0 * p.z_sq + n0;
+  T* gz = static_cast<T*>(p.grad_z) + b * p.gz_sb + h * p.gz_sh + q0 * p.gz_sq + n0;
+  float c = 0.f;
+#pragma unroll
+  for (int j = 0; j < kMmaN; ++j) {
+    const int col = wn + j * 8 + 2 * t;
+#pragma unroll
+    for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = wm + i * 16 + gq + 8 * half;
+        if (row >= rows) continue;
+        const float p0 = acc[i][j][2 * half], p1 = acc[i][j][2 * half + 1];
+        if (need_c) {
+          if (col < cols) c = fmaf(static_cast<float>(z[row * p.z_sq + col]), p0, c);
+          if (col + 1 < cols) c = fmaf(static_cast<float>(z[row * p.z_sq + col + 1]), p1, c);
+        }
+        const T v0 = static_cast<T>(alpha * p0), v1 = static_cast<T>(alpha * p1);
+        T* o = gz + row * p.gz_sq + col;
+        if (p.gz_pairs && col + 1 < cols) {
+          struct alignas(2 * sizeof(T)) Pair {
+            T x, y;
+          };
+          *reinterpret_cast<Pair*>(o) = Pair{v0, v1};
+        } else {
+          if (col < cols) o[0] = v0;
+          if (col + 1 < cols) o[1] = v1;
+        }
+      }
+  }
+  if (need_c) {
+    hw::BlockSum block_sum(red);
+    c = block_sum(c);
+    if (threadIdx.x == 0) p.c_part[bh * p.q_tiles * p.dv_tiles + tile_q * p.dv_tiles + tile_n] = c;
+  }
+}
+
+// grad_weight_o: grid (H * d_tiles * dv_tiles), kThreads threads, kSmemBytes:
+// blockIdx.x = (h * d_tiles + D tile) * dv_tiles + Dv tile; the CTA owns its [128 x 128]
+// tile of dW_h and runs the whole K = (b, q) reduction in order (no split, no atomics:
+// bitwise repeatable), 32 query rows per slice, skipping closed (b, h). A = dy_b^T
+// (transposed slice of dy rows), B = Z[b, h] (transposed slice of z rows). alpha[b,h]
+// enters as in the forward: acc is rescaled when alpha changes between batch rows.
+template <typename T, int CopyBytes>
+__global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_tc_kernel(TcBwdParams p) {
+  unsigned char* smem = hw::dynamic_shared_memory();
+  auto a_tile = [&](int stage) { return smem + stage * 2 * kTileBytes; };
+  auto b_tile = [&](int stage) { return smem + stage * 2 * kTileBytes + kTileBytes; };
+  const int64_t tile = blockIdx.x;
+  const int64_t tile_n = tile % p.dv_tiles;
+  const int64_t tile_m = (tile / p.dv_tiles) % p.d_tiles;
+  const int64_t h = tile / (p.dv_tiles * p.d_tiles);
+  const int64_t m0 = tile_m * kBM, n0 = tile_n * kBN;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = (warp % kWarpsM) * kWarpM, wn = (warp / kWarpsM) * kWarpN;
+  const int64_t rows_m = p.d - m0 < kBM ? p.d - m0 : kBM;
+  const int64_t cols = p.dv - n0 < kBN ? p.dv - n0 : kBN;
+  const int64_t q_slices = (p.seq + kTransK - 1) / kTransK;
+  const T* dy = static_cast<const T*>(p.grad_out) + m0;
+  const T* z = static_cast<const T*>(p.z) + h * p.z_sh + n0;
+
+  int64_t open = 0;
+  for (int64_t b = 0; b < p.batch; ++b) open += p.gate.at(b, h) != 0.f;
+  const int64_t k_tiles = open * q_slices;
+  int64_t issue_b = 0, issue_slice = 0;
+  while (issue_b < p.batch && p.gate.at(issue_b, h) == 0.f) ++issue_b;
+  auto issue = [&](int64_t kt) {
+    if (kt < k_tiles) {
+      const int st = static_cast<int>(kt % kStages);
+      const int64_t q = issue_slice * kTransK;
+      load_trans_slice<T, CopyBytes>(a_tile(st), dy + (issue_b * p.seq + q) * p.d, p.d, p.seq - q, rows_m, dy);
+      load_trans_slice<T, CopyBytes>(b_tile(st), z + issue_b * p.z_sb + q * p.z_sq, p.z_sq, p.seq - q, cols, z);
+      if (++issue_slice == q_slices) {
+        issue_slice = 0;
+        do ++issue_b;
+        while (issue_b < p.batch && p.gate.at(issue_b, h) == 0.f);
+      }
+    }
+    hw::cp_async_commit();
+  };
+  float acc[kMmaM][kMmaN][4];
+#pragma unroll
+  for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+    for (int j = 0; j < kMmaN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+#pragma unroll
+  for (int kt = 0; kt < kStages - 1; ++kt) issue(kt);
+  int64_t comp_b = -1, comp_slice = q_slices - 1;
+  float alpha_cur = 1.f;
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    if (++comp_slice == q_slices) {
+      comp_slice = 0;
+      do ++comp_b;
+      while (p.gate.at(comp_b, h) == 0.f);
+      const float alpha = p.gate.scale(comp_b) * p.gate.at(comp_b, h);
+      if (kt == 0) {
+        alpha_cur = alpha;
+      } else if (alpha != alpha_cur) {
+        const float ratio = alpha_cur / alpha;
+#pragma unroll
+        for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+          for (int j = 0; j < kMmaN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] *= ratio;
+        alpha_cur = alpha;
+      }
+    }
+    hw::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    issue(kt + kStages - 1);
+    const unsigned char* at = a_tile(static_cast<int>(kt % kStages));
+    const unsigned char* bt = b_tile(static_cast<int>(kt % kStages));
+#pragma unroll
+    for (int ks = 0; ks < kTransK / 16; ++ks) {
+      uint32_t fa[kMmaM][4], fb[kMmaN][2];
+#pragma unroll
+      for (int i = 0; i < kMmaM; ++i) ldmatrix_a_trans(fa[i], at, ks * 16, wm + i * 16, lane);
+#pragma unroll
+      for (int j = 0; j < kMmaN; j += 2) ldmatrix_b_trans(fb[j], fb[j + 1], bt, ks * 16, wn + j * 8, lane);
+#pragma unroll
+      for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+        for (int j = 0; j < kMmaN; ++j) mma_step<T>(acc[i][j], fa[i], fb[j]);
+    }
+  }
+  hw::cp_async_wait<0>();
+
+  const int gq = lane >> 2, t = lane & 3;
+  const int64_t k_all = p.heads * p.dv;
+  T* gw = static_cast<T*>(p.grad_w) + m0 * k_all + h * p.dv + n0;
+  const bool pairs = p.dv % 2 == 0;  // rows of H*Dv elements, head offsets h*Dv
+#pragma unroll
+  for (int j = 0; j < kMmaN; ++j) {
+    const int col = wn + j * 8 + 2 * t;
+#pragma unroll
+    for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = wm + i * 16 + gq + 8 * half;
+        if (row >= rows_m) continue;
+        const T v0 = static_cast<T>(alpha_cur * acc[i][j][2 * half]);
+        const T v1 = static_cast<T>(alpha_cur * acc[i][j][2 * half + 1]);
+        T* o = gw + row * k_all + col;
+        if (pairs && col + 1 < cols) {
+          struct alignas(2 * sizeof(T)) Pair {
+            T x, y;
+          };
+          *reinterpret_cast<Pair*>(o) = Pair{v0, v1};
+        } else {
+          if (col < cols) o[0] = v0;
+          if (col + 1 < cols) o[1] = v1;
+        }
+      }
+  }
+}
+
+}  // namespace tc
+}  // namespace merge
+}  // namespace headwise
