@@ -126,10 +126,10 @@ __host__ __device__ inline int64_t head_sums_floats(HeadReduce mode, int64_t nve
   return 2 * head_partial_floats(mode, nvec) * (mode == HeadReduce::kWarps ? count : 1);
 }
 
-// Floats of the thread-private parameter slices of the scalar layout (two [d]-sized
-// vectors per thread block: q and g, or q * g and dout; see ThreadVectors).
+// Floats of the thread-private slices of the scalar layout (three [d]-sized vectors per
+// thread block: q, g and the accumulator, or q * g, dout and z; see ThreadVectors).
 __host__ __device__ inline int64_t param_slice_floats(bool in_smem, int64_t items, int64_t threads, int64_t vec) {
-  return in_smem ? 2 * items * threads * vec : 0;
+  return in_smem ? 3 * items * threads * vec : 0;
 }
 
 // Forward dynamic smem (floats): BlockSums scratch (2 x 32 x ROWS), HeadSums scratch,
@@ -153,7 +153,8 @@ __host__ __device__ inline int64_t bwd_smem_floats(HeadReduce mode, int64_t nvec
 }
 
 // The thread's ITEMS x VEC values of a [d]-sized fp32 vector: in registers, or (IN_SMEM,
-// the scalar layout, whose 16 items per thread would not leave registers for the rest)
+// the scalar layout, whose 16 items per thread would not leave registers for the rest:
+// the parameters and the accumulators live there)
 // in a thread-private shared-memory slice laid out [ITEMS][blockDim.x][VEC]: consecutive
 // lanes read consecutive words (conflict-free), and no barrier guards a thread's slice.
 template <int ITEMS, int VEC, bool IN_SMEM>
@@ -365,13 +366,14 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
     const int64_t t = pos - b * p.route.seq;
     const T* src = static_cast<const T*>(p.route.sources) + b * p.route.src_stride_b + t * p.route.src_stride_t;
 
-    float acc[ITEMS][VEC], run_max[ITEMS], run_den[ITEMS];
+    ThreadVectors<ITEMS, VEC, kSlices> acc(slices + 2 * ITEMS * nthreads * VEC);
+    float run_max[ITEMS], run_den[ITEMS];
     MHAR_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
       run_max[i] = -INFINITY;
       run_den[i] = 0.f;
       MHAR_UNROLL
-      for (int k = 0; k < VEC; ++k) acc[i][k] = 0.f;
+      for (int k = 0; k < VEC; ++k) acc.set(i, k, 0.f);
     }
 
     hw::Pack<T, VEC> cur[ROWS][ITEMS];
@@ -433,10 +435,10 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
         }
         MHAR_UNROLL
         for (int k = 0; k < VEC; ++k) {
-          float a = acc[i][k] * alpha;
+          float a = acc.get(i, k) * alpha;
           MHAR_UNROLL
           for (int j = 0; j < ROWS; ++j) a += prob[j] * static_cast<float>(cur[j][i].v[k]);
-          acc[i][k] = a;
+          acc.set(i, k, a);
         }
         run_max[i] = new_max;
         run_den[i] = den;
@@ -474,7 +476,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
       if (res != nullptr) hw::load_as_float<VEC>(res + v * VEC, rv);
       float y[VEC];
       MHAR_UNROLL
-      for (int k = 0; k < VEC; ++k) y[k] = acc[i][k] * scale + rv[k];
+      for (int k = 0; k < VEC; ++k) y[k] = acc.get(i, k) * scale + rv[k];
       hw::store_from_float<VEC>(out + v * VEC, y);
       if (v % kv == 0) {
         s_max[v / kv] = run_max[i];
@@ -511,11 +513,15 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
 
   float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
   hw::BlockSum block_sum(smem);
-  HeadSums<ITEMS, 3 * ROWS, MODE> head_sums(smem + 64, nvec, kv, heads);
+  // The head reductions of a stage: a, b and ss of its ROWS rows in one call, or (scalar
+  // layout, to keep the registers) one call per value.
+  constexpr bool kSlices = VEC == 1;
+  constexpr int kPasses = kSlices ? 3 : 1;
+  constexpr int kVals = 3 / kPasses;
+  HeadSums<ITEMS, kVals * ROWS, MODE> head_sums(smem + 64, nvec, kv, heads);
   float* pos_smem = smem + 64 + head_sums_floats(MODE, nvec, 3 * ROWS);
   const int pos_floats = static_cast<int>(bwd_pos_floats(num_src, heads));
   float* slices = pos_smem + 2 * pos_floats;
-  constexpr bool kSlices = VEC == 1;
   // Staged rows: [n][i][tid] packs, each thread reading back only what it wrote.
   hw::Pack<T, VEC>* s_rows = reinterpret_cast<hw::Pack<T, VEC>*>(smem + bwd_smem_floats(
       MODE, nvec, ROWS, num_src, heads, param_slice_floats(kSlices, ITEMS, nthreads, VEC)));
@@ -541,11 +547,11 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
 
   int parity = 0;
   for (int64_t seg = blockIdx.x; seg < segments; seg += gridDim.x) {
-    float z[ITEMS][VEC];
+    ThreadVectors<ITEMS, VEC, kSlices> z(slices + 2 * ITEMS * nthreads * VEC);
     MHAR_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
       MHAR_UNROLL
-      for (int k = 0; k < VEC; ++k) z[i][k] = 0.f;
+      for (int k = 0; k < VEC; ++k) z.set(i, k, 0.f);
     }
     float gate_sum = 0.f;  // this thread's share of sum_h S_h: the heads it forms S_h for
     const int64_t pos_end = (seg + 1) * kBwdSegment < positions ? (seg + 1) * kBwdSegment : positions;
@@ -597,39 +603,53 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
         hw::Pack<T, VEC> nxt[ROWS][ITEMS];
         if (PREFETCH) load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, nvec, nxt);
         const int rows = num_src - n0 < ROWS ? num_src - n0 : ROWS;
-        float sums[3 * ROWS][ITEMS];
-        MHAR_UNROLL
-        for (int j = 0; j < ROWS; ++j) {
-          MHAR_UNROLL
-          for (int i = 0; i < ITEMS; ++i) {
-            float sa = 0.f, sb = 0.f, sq = 0.f;
-            MHAR_UNROLL
-            for (int k = 0; k < VEC; ++k) {
-              const float x = static_cast<float>(cur[j][i].v[k]);
-              sa += dout_at(i, k) * x;
-              sb += qg.get(i, k) * x;
-              sq += x * x;
-            }
-            sums[3 * j][i] = sa;
-            sums[3 * j + 1][i] = sb;
-            sums[3 * j + 2][i] = sq;
-            const int v = tid + i * nthreads;
-            if (p.stage_rows && j < rows && v < nvec)
-              hw::store_pack<T, VEC>(reinterpret_cast<T*>(s_rows + ((n0 + j) * ITEMS + i) * nthreads + tid), cur[j][i]);
-          }
-        }
-        head_sums(sums);
-        MHAR_UNROLL
-        for (int i = 0; i < ITEMS; ++i) {
-          const int v = tid + i * nthreads;
-          if (v >= nvec || v % kv != 0) continue;
+        if (p.stage_rows) {
           MHAR_UNROLL
           for (int j = 0; j < ROWS; ++j) {
-            if (j >= rows) continue;
-            const int e = (n0 + j) * heads + v / kv;
-            s_a[e] = sums[3 * j][i];
-            s_b[e] = sums[3 * j + 1][i];
-            s_ss[e] = sums[3 * j + 2][i];
+            MHAR_UNROLL
+            for (int i = 0; i < ITEMS; ++i) {
+              const int v = tid + i * nthreads;
+              if (j < rows && v < nvec)
+                hw::store_pack<T, VEC>(reinterpret_cast<T*>(s_rows + ((n0 + j) * ITEMS + i) * nthreads + tid),
+                                       cur[j][i]);
+            }
+          }
+        }
+        // Value c of a row: 0 a = <dout, s_n>, 1 b = <qg, s_n>, 2 ss = <s_n, s_n> (per head).
+        MHAR_UNROLL
+        for (int pass = 0; pass < kPasses; ++pass) {
+          float sums[kVals * ROWS][ITEMS];
+          MHAR_UNROLL
+          for (int j = 0; j < ROWS; ++j) {
+            MHAR_UNROLL
+            for (int i = 0; i < ITEMS; ++i) {
+              float part[3] = {0.f, 0.f, 0.f};
+              MHAR_UNROLL
+              for (int k = 0; k < VEC; ++k) {
+                const float x = static_cast<float>(cur[j][i].v[k]);
+                part[0] += dout_at(i, k) * x;
+                part[1] += qg.get(i, k) * x;
+                part[2] += x * x;
+              }
+              MHAR_UNROLL
+              for (int c = 0; c < kVals; ++c) sums[kVals * j + c][i] = part[pass * kVals + c];
+            }
+          }
+          head_sums(sums);
+          MHAR_UNROLL
+          for (int i = 0; i < ITEMS; ++i) {
+            const int v = tid + i * nthreads;
+            if (v >= nvec || v % kv != 0) continue;
+            MHAR_UNROLL
+            for (int j = 0; j < ROWS; ++j) {
+              if (j >= rows) continue;
+              const int e = (n0 + j) * heads + v / kv;
+              MHAR_UNROLL
+              for (int c = 0; c < kVals; ++c) {
+                const int value = pass * kVals + c;
+                (value == 0 ? s_a : value == 1 ? s_b : s_ss)[e] = sums[kVals * j + c][i];
+              }
+            }
           }
         }
         if (PREFETCH) {
@@ -700,7 +720,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
           for (int k = 0; k < VEC; ++k) {
             const float x = static_cast<float>(xp.v[k]);
             y[k] = prev[k] + (wg * dout_at(i, k) + r * (dl * qg.get(i, k)) - r3c * x);
-            z[i][k] += dl * hw::round_to<T>(x * r);
+            z.set(i, k, z.get(i, k) + dl * hw::round_to<T>(x * r));
           }
           hw::store_from_float<VEC>(ds + v * VEC, y);
         }
@@ -710,7 +730,10 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
     for (int i = 0; i < ITEMS; ++i) {
       const int v = tid + i * nthreads;
       if (v >= nvec) continue;
-      hw::store_from_float<VEC>(p.z_partial + seg * p.route.d + v * VEC, z[i]);
+      float zi[VEC];
+      MHAR_UNROLL
+      for (int k = 0; k < VEC; ++k) zi[k] = z.get(i, k);
+      hw::store_from_float<VEC>(p.z_partial + seg * p.route.d + v * VEC, zi);
     }
     const float seg_gate = block_sum(gate_sum);
     if (tid == 0) p.gate_partial[seg] = seg_gate;
