@@ -743,10 +743,12 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
 // Threads of mhar_param_grad_reduce_kernel: kReduceColumns columns x kReduceLanes lanes.
 constexpr int kReduceColumns = 32;
 constexpr int kReduceLanes = 8;
+constexpr int kReduceUnroll = 16;
 
 // Second stage of the query / norm-weight / gate gradients, column-parallel: block c
 // sums columns [32 c, 32 c + 32) of the `rows` segment partials; lane l of a column sums
-// rows l, l + 8, ... in ascending order, then the 8 lane sums are added in lane order.
+// rows l, l + 8, ... into 16 running sums in a fixed order, then the 8 lane sums are added
+// in lane order.
 // dq[j] = g[j] z[j], dg[j] = q[j] z[j]. Block 0 also sums the gate partials the same
 // way over its 256 threads. Fixed order: bitwise deterministic for a given `rows`.
 __global__ void __launch_bounds__(kReduceColumns * kReduceLanes) mhar_param_grad_reduce_kernel(
@@ -757,9 +759,24 @@ __global__ void __launch_bounds__(kReduceColumns * kReduceLanes) mhar_param_grad
   const int col = threadIdx.x % kReduceColumns;
   const int lane = threadIdx.x / kReduceColumns;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * kReduceColumns + col;
+  // kReduceUnroll independent running sums (rows lane + 8 (16 m + u) go to sum u), so
+  // that a thread has 16 loads in flight; added in u order.
+  float acc[kReduceUnroll];
+  MHAR_UNROLL
+  for (int u = 0; u < kReduceUnroll; ++u) acc[u] = 0.f;
+  if (j < d) {
+    int64_t r = lane;
+    for (; r + (kReduceUnroll - 1) * kReduceLanes < rows; r += kReduceUnroll * kReduceLanes) {
+      MHAR_UNROLL
+      for (int u = 0; u < kReduceUnroll; ++u) acc[u] += z_partial[(r + u * kReduceLanes) * d + j];
+    }
+    MHAR_UNROLL
+    for (int u = 0; u < kReduceUnroll - 1; ++u)
+      if (r + u * kReduceLanes < rows) acc[u] += z_partial[(r + u * kReduceLanes) * d + j];
+  }
   float s = 0.f;
-  if (j < d)
-    for (int64_t r = lane; r < rows; r += kReduceLanes) s += z_partial[r * d + j];
+  MHAR_UNROLL
+  for (int u = 0; u < kReduceUnroll; ++u) s += acc[u];
   lane_sums[lane][col] = s;
   __syncthreads();
   if (lane == 0 && j < d) {
