@@ -25,30 +25,38 @@ namespace {
 using hw::kBackendDevice;
 using hw::on_backend_device;
 
-// Largest d of the device kernels: 8192 / VEC vectors over at most 1024 threads.
+// Largest d of the device kernels: 8192 / VEC vectors over at most kMaxThreads threads.
 constexpr int64_t kMaxDim = 8192;
-// Persistent blocks of the backward; fixed so that the reduction order does not depend
-// on the device.
-constexpr int64_t kBwdBlocks = 1024;
-// Forward grid cap (CUDA's grid.x limit); blocks loop over positions beyond it.
-constexpr int64_t kMaxGrid = (int64_t{1} << 31) - 1;
+// Grid caps: blocks loop over positions (forward) or segments (backward) beyond them.
+// The forward's blocks load q and g once each; the backward's sums do not depend on its
+// grid (per-segment partials).
+constexpr int64_t kFwdMaxBlocks = 1024;
+constexpr int64_t kBwdMaxBlocks = 1024;
 // Vectors per thread (ITEMS) of the vectorized (8-element) and scalar layouts.
 constexpr int kItemsVec8 = 2;
-constexpr int kItemsScalar = 8;
+constexpr int kItemsScalar = 16;
+// Shared memory the backward may use to keep a position's N rows between its passes
+// (above it, pass 2 rereads them from global memory): 72 KiB at N = 9, d = 4096, bf16.
+constexpr int64_t kStageRowsBudget = 100 * 1024;
 
+// ROWS rows per stage and register prefetch of the next stage: 2 rows of 16-byte packs
+// for 2-byte types, 1 for fp32 (the double buffer holds 2 x ROWS x ITEMS packs); the
+// scalar layout (ITEMS = 16) loads one row at a time without prefetch.
 template <typename T, int VEC, int ITEMS, HeadReduce MODE>
 struct Config {
   using scalar_t = T;
   static constexpr int vec = VEC;
   static constexpr int items = ITEMS;
   static constexpr HeadReduce mode = MODE;
+  static constexpr int rows = (VEC == 8 && sizeof(T) == 2) ? 2 : 1;
+  static constexpr bool prefetch = VEC == 8;
 };
 
 struct Plan {
   int vec;
   int threads;
   HeadReduce mode;
-  size_t smem_bytes;
+  int64_t nvec;
 };
 
 inline bool aligned_for_vec8(const at::Tensor& t) {
@@ -67,11 +75,10 @@ inline Plan make_plan(const Shape& s, bool vec8) {
               : (kv % 32 == 0)                    ? HeadReduce::kWarps
                                                   : HeadReduce::kGeneric;
   // Every thread fills all ITEMS vector slots (registers are allocated for all of them),
-  // in warps: threads = 32 * ceil(nvec / (32 * ITEMS)) <= 512 (vec8) or 1024 (scalar) for
-  // d <= kMaxDim.
+  // in warps: threads = 32 * ceil(nvec / (32 * ITEMS)) <= kMaxThreads for d <= kMaxDim.
   const int64_t items = vec8 ? kItemsVec8 : kItemsScalar;
   plan.threads = static_cast<int>((nvec + 32 * items - 1) / (32 * items) * 32);
-  plan.smem_bytes = static_cast<size_t>(smem_floats(plan.mode, nvec)) * sizeof(float);
+  plan.nvec = nvec;
   return plan;
 }
 
@@ -168,10 +175,14 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
     using T = decltype(tag);
     dispatch_plan<T>(plan, [&](auto cfg) {
       using C = decltype(cfg);
-      auto kernel = &mhar_route_fwd_kernel<T, C::vec, C::items, C::mode>;
-      hw::allow_dynamic_smem("mhar_route", kernel, plan.smem_bytes);
-      HW_LAUNCH("mhar_route_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.positions(), kMaxGrid))),
-                dim3(plan.threads), plan.smem_bytes, p);
+      auto kernel = &mhar_route_fwd_kernel<T, C::vec, C::items, C::rows, C::prefetch, C::mode>;
+      const size_t smem_bytes =
+          static_cast<size_t>(fwd_smem_floats(plan.mode, plan.nvec, C::rows, s.num_sources, s.heads,
+                                              param_slice_floats(C::vec == 1, C::items, plan.threads, C::vec))) *
+          sizeof(float);
+      hw::allow_dynamic_smem("mhar_route", kernel, smem_bytes);
+      HW_LAUNCH("mhar_route_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.positions(), kFwdMaxBlocks))),
+                dim3(plan.threads), smem_bytes, p);
     });
   });
   return {out, weights};
@@ -199,9 +210,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
     const bool vec8 = s.head_dim % 8 == 0 && aligned_for_vec8(sources) && aligned_for_vec8(q) &&
                       aligned_for_vec8(g) && aligned_for_vec8(dout) && aligned_for_vec8(grad_sources);
     const Plan plan = make_plan(s, vec8);
-    const int64_t blocks = std::min(s.positions(), kBwdBlocks);
-    at::Tensor z_partial = new_output({blocks, s.d}, sources.options().dtype(at::kFloat));
-    at::Tensor gate_partial = new_output({blocks}, sources.options().dtype(at::kFloat));
+    const int64_t segments = bwd_segments(s.positions());
+    at::Tensor z_partial = new_output({segments, s.d}, sources.options().dtype(at::kFloat));
+    at::Tensor gate_partial = new_output({segments}, sources.options().dtype(at::kFloat));
 
     BwdParams p{};
     p.route = make_routing(sources, q, g, s, eps);
@@ -218,16 +229,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
       using G = std::conditional_t<kIntoFloat, float, T>;
       dispatch_plan<T>(plan, [&](auto cfg) {
         using C = decltype(cfg);
-        auto kernel = &mhar_route_bwd_kernel<T, G, C::vec, C::items, C::mode>;
-        hw::allow_dynamic_smem("mhar_route_backward", kernel, plan.smem_bytes);
-        HW_LAUNCH("mhar_route_bwd", kernel, dim3(static_cast<unsigned>(blocks)),
-                  dim3(plan.threads), plan.smem_bytes, p);
+        auto kernel = &mhar_route_bwd_kernel<T, G, C::vec, C::items, C::rows, C::prefetch, C::mode>;
+        const size_t base_bytes =
+            static_cast<size_t>(bwd_smem_floats(plan.mode, plan.nvec, C::rows, s.num_sources, s.heads,
+                                                param_slice_floats(C::vec == 1, C::items, plan.threads, C::vec))) *
+            sizeof(float);
+        const size_t rows_bytes = static_cast<size_t>(s.num_sources) * C::items * plan.threads *
+                                  sizeof(hw::Pack<T, C::vec>);
+        p.stage_rows = base_bytes + rows_bytes <= static_cast<size_t>(kStageRowsBudget);
+        const size_t smem_bytes = base_bytes + (p.stage_rows ? rows_bytes : 0);
+        hw::allow_dynamic_smem("mhar_route_backward", kernel, smem_bytes);
+        HW_LAUNCH("mhar_route_bwd", kernel, dim3(static_cast<unsigned>(std::min(segments, kBwdMaxBlocks))),
+                  dim3(plan.threads), smem_bytes, p);
       });
     });
-    const unsigned reduce_blocks = static_cast<unsigned>((s.d + 1 + 255) / 256);  // d + 1 threads
     auto reduce = &mhar_param_grad_reduce_kernel;
-    HW_LAUNCH("mhar_param_grad_reduce", reduce, dim3(reduce_blocks), dim3(256), 0,
-              z_partial.data_ptr<float>(), gate_partial.data_ptr<float>(), blocks, s.d, q.data_ptr<float>(),
+    HW_LAUNCH("mhar_param_grad_reduce", reduce, dim3(static_cast<unsigned>((s.d + kReduceColumns - 1) / kReduceColumns)),
+              dim3(kReduceColumns * kReduceLanes), 0,
+              z_partial.data_ptr<float>(), gate_partial.data_ptr<float>(), segments, s.d, q.data_ptr<float>(),
               g.data_ptr<float>(), grad_query.data_ptr<float>(), grad_norm.data_ptr<float>(),
               grad_gate.data_ptr<float>());
   }

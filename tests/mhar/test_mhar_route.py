@@ -22,7 +22,14 @@ SHAPES = [
     pytest.param(1, 2, 3, 37, 1, id="N1-d37-H1"),
     pytest.param(65, 1, 2, 64, 1, id="N65-d64-H1-attnres"),
     pytest.param(3, 1, 1, 8192, 8, id="N3-d8192-H8"),
-    pytest.param(3, 1, 2, 8190, 2, id="N3-d8190-H2-scalar-generic-1024-threads"),
+    pytest.param(3, 1, 2, 8190, 2, id="N3-d8190-H2-scalar-generic-512-threads"),
+    # The backward keeps a position's rows in shared memory between its passes when they
+    # fit (100 KiB); 26 fp32 rows of d = 2048 do not: pass 2 rereads them.
+    pytest.param(26, 1, 2, 2048, 8, id="N26-d2048-H8-rows-not-staged"),
+    # 111 positions: the parameter gradients' 16-position segments end in a partial one.
+    pytest.param(5, 3, 37, 96, 3, id="N5-B3-T37-segment-tail"),
+    # More positions than the forward's 1024 blocks: blocks loop over positions.
+    pytest.param(2, 1, 1100, 16, 2, id="N2-T1100-d16-blocks-loop"),
 ]
 
 FP32_TOL = 2e-6

@@ -360,9 +360,10 @@ def _bt(s):
 OPS: dict[str, OpSpec] = {
     "mhar": OpSpec(
         "mhar_route",
-        # B*T >= 1024: the backward's grid is min(B*T, 1024) CTAs (kBwdBlocks), each
-        # writing one row of parameter-gradient partials; above the cap only the
-        # per-position work grows, linearly.
+        # B*T >= 1024: the forward's grid is min(B*T, 1024) CTAs (kFwdMaxBlocks), each
+        # loading q and g once; the backward's is one CTA per 16-position segment
+        # (kBwdSegment), each writing one row of parameter-gradient partials: both
+        # linear in B*T from here on.
         shapes=[dict(N=9, B=1, T=T, d=4096, H=8) for T in (1024, 2048)],
         target=dict(N=9, B=2, T=4096, d=4096, H=8),
         basis=lambda s: [1.0, _bt(s)],
