@@ -15,6 +15,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstddef>
+#include <cstdlib>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -43,6 +44,15 @@ inline size_t max_dynamic_smem_optin() {
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   return static_cast<size_t>(limit);
+}
+
+// The kernel's static __shared__ bytes (cudaFuncGetAttributes), which count against the
+// same per-block limit as the dynamic bytes.
+template <typename Kernel>
+inline size_t static_smem_bytes(Kernel kernel) {
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  return attr.sharedSizeBytes;
 }
 
 // The kernel's opt-in only ever grows, to the largest launch so far on each device: a
@@ -80,7 +90,14 @@ inline void set_dynamic_smem_optin(Kernel kernel, size_t bytes) {
 namespace hw {
 inline unsigned char* dynamic_shared_memory() { return hw_sim::dynamic_shared_memory(); }
 // The emulated device has the sm_90 limit (hw_sim::launch enforces it too).
-inline size_t max_dynamic_smem_optin() { return 227 * 1024; }
+// HEADWISE_SIM_SMEM_OPTIN (bytes) lowers it to model a smaller part in tests (sm_80: 166912,
+// sm_86/89/120: 101376); hw_sim::launch still enforces sm_90's.
+inline size_t max_dynamic_smem_optin() {
+  if (const char* env = std::getenv("HEADWISE_SIM_SMEM_OPTIN")) return std::strtoull(env, nullptr, 10);
+  return 227 * 1024;
+}
+template <typename Kernel>
+inline size_t static_smem_bytes(Kernel) { return 0; }  // the emulator keeps __shared__ arrays apart
 template <typename Kernel>
 inline void set_dynamic_smem_optin(Kernel, size_t) {}
 }  // namespace hw
@@ -110,15 +127,18 @@ inline void check_grid(const char* kernel, const dim3& grid) {
 }
 
 // Before launching `kernel` with `bytes` of dynamic shared memory for op `op`: checks the
-// need against the device's opt-in limit, then opts the kernel in when the need is over
-// the 48 KiB every kernel gets without opting in.
+// need, static __shared__ arrays included, against the device's opt-in limit, then opts the
+// kernel in when the block's total is over the 48 KiB every kernel gets without opting in
+// (without it, a 48 KiB dynamic request beside any static array fails to launch).
 template <typename Kernel>
 inline void allow_dynamic_smem(const char* op, Kernel kernel, size_t bytes) {
   constexpr size_t kDefaultLimit = 48 * 1024;
-  if (bytes <= kDefaultLimit) return;
+  const size_t total = bytes + static_smem_bytes(kernel);
+  if (total <= kDefaultLimit) return;
   const size_t limit = max_dynamic_smem_optin();
-  TORCH_CHECK_VALUE(bytes <= limit, "headwise.", op, ": needs ", bytes,
-                    " bytes of dynamic shared memory per block, more than this device's limit of ", limit, " bytes");
+  TORCH_CHECK_VALUE(total <= limit, "headwise.", op, ": needs ", bytes, " bytes of dynamic shared memory per block",
+                    total > bytes ? " (plus its static arrays)" : "", ", more than this device's limit of ", limit,
+                    " bytes");
   set_dynamic_smem_optin(kernel, bytes);
 }
 }  // namespace hw

@@ -219,9 +219,16 @@ std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q
   p.window = static_cast<int>(window);
   p.scale = static_cast<float>(scale);
   const int dh_pad = static_cast<int>((s.head_dim + 15) / 16 * 16), dv_pad = static_cast<int>((s.v_dim + 15) / 16 * 16);
-  // bf16 / fp16 with dv <= 128 take the tensor-core kernels (dcmha_attention_mma_kernel.cuh);
-  // fp32 (and wider dv) the SIMT kernel.
-  const bool tensor_cores = q.scalar_type() != at::kFloat && dv_pad <= 128;
+  // bf16 / fp16 with dv <= 128 take the tensor-core kernels (dcmha_attention_mma_kernel.cuh)
+  // where their shared memory fits the device (a head group's weights and statistics grow
+  // with hg: H = 32 in one group needs more than the 99 KiB of sm_86/89/120) and their grids
+  // fit CUDA's limits (B * groups on z); fp32, wider dv and the rest the SIMT kernel.
+  const size_t smem_limit = hw::max_dynamic_smem_optin();
+  const bool tensor_cores = q.scalar_type() != at::kFloat && dv_pad <= 128 &&
+                            static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad)) <= smem_limit &&
+                            static_cast<size_t>(mma_out_smem_bytes(dh_pad, dv_pad)) <= smem_limit &&
+                            static_cast<size_t>(kWeightFields) * p.H * 33 * sizeof(float) <= smem_limit &&
+                            s.batch * s.head_groups <= 65535 && s.batch <= 65535 && s.heads <= 65535;
   if (!tensor_cores) {
     dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [&](auto tag) {
       using T = decltype(tag);

@@ -25,8 +25,9 @@
 //   alpha: the accumulators hold sum_h (alpha_h / alpha_cur) P_h while head `cur` is
 //   accumulated: at a change of alpha between open heads they are multiplied by
 //   alpha_prev / alpha_new, and by the last alpha in the epilogue (no second accumulator
-//   set, so no extra registers; exact up to fp32 rounding while the ratios of the open
-//   heads' alphas stay inside the fp32 range). Binary gates and no gate are one alpha:
+//   set, so no extra registers). The open heads are visited in ascending |gate| order
+//   (next_open_ascending), so that factor is at most max s / min s <= H in magnitude for
+//   gates in [0, 1]: no gate range (say 1 and 1e-39) overflows the accumulators. Binary gates and no gate are one alpha:
 //   a single multiply in the epilogue. The bias is added in the epilogue.
 //
 // Budget at the target shape B*Q = 16384, H = 32, Dv = 128, D = 4096, bf16 (ESTIMATES,
@@ -44,6 +45,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -120,6 +122,31 @@ struct TcFwdParams {
   int64_t q_tiles, n_tiles;
 };
 
+// The open entries (gate != 0) of a gate row (or column) in ascending (|g|, index) order,
+// the order in which the tensor-core kernels accumulate heads (or batch rows) so that the
+// alpha rescale factor alpha_prev / alpha_next stays <= max s / min s in magnitude. A NaN
+// gate sorts last (its NaN reaches the output). gate_of(i) reads entry i of n; prev is the
+// entry returned before (-1 for the first); returns n when none is left. O(n) per call,
+// once per head (or batch row) of the K loop; without gates it is index order.
+template <typename GateOf>
+__device__ __forceinline__ int64_t next_open_ascending(const GateOf& gate_of, int64_t n, int64_t prev) {
+  auto key = [](float g) { return g != g ? INFINITY : fabsf(g); };
+  const float prev_key = prev < 0 ? 0.f : key(gate_of(prev));
+  int64_t best = n;
+  float best_key = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate_of(i);
+    if (g == 0.f) continue;
+    const float k = key(g);
+    const bool after = prev < 0 || k > prev_key || (k == prev_key && i > prev);
+    if (after && (best == n || k < best_key)) {
+      best = i;
+      best_key = k;
+    }
+  }
+  return best;
+}
+
 // grid (B * ceil(Q / kBM) * ceil(D / kBN)), kThreads threads, kSmemBytes dynamic shared
 // memory: blockIdx.x = (b * q_tiles + q tile) * n_tiles + n tile (the column tiles of one
 // row tile are adjacent, so they share its Z slices in L2).
@@ -148,9 +175,10 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
   const int64_t k_tiles = open * slices;
   const float s = p.gate.scale(b);
 
-  // The copy cursor: head and slice of the next slice to issue.
-  int64_t issue_h = 0, issue_slice = 0;
-  while (issue_h < p.heads && p.gate.at(b, issue_h) == 0.f) ++issue_h;
+  // The copy cursor: head and slice of the next slice to issue (open heads in ascending
+  // |gate| order).
+  const auto gate_of_head = [&](int64_t h) { return p.gate.at(b, h); };
+  int64_t issue_h = next_open_ascending(gate_of_head, p.heads, -1), issue_slice = 0;
   auto issue = [&](int64_t kt) {
     if (kt < k_tiles) {
       const int st = static_cast<int>(kt % kStages);
@@ -168,8 +196,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
       }
       if (++issue_slice == slices) {
         issue_slice = 0;
-        do ++issue_h;
-        while (issue_h < p.heads && p.gate.at(b, issue_h) == 0.f);
+        issue_h = next_open_ascending(gate_of_head, p.heads, issue_h);
       }
     }
     hw::cp_async_commit();
@@ -202,8 +229,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     if (++comp_slice == slices) {  // the next open head
       comp_slice = 0;
-      do ++comp_h;
-      while (p.gate.at(b, comp_h) == 0.f);
+      comp_h = next_open_ascending(gate_of_head, p.heads, comp_h);
       const float alpha = s * p.gate.at(b, comp_h);
       if (kt == 0) {
         alpha_cur = alpha;  // acc is still 0: no rescale (1 / alpha may overflow)
@@ -506,8 +532,9 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_tc_kernel(TcBwdPar
   int64_t open = 0;
   for (int64_t b = 0; b < p.batch; ++b) open += p.gate.at(b, h) != 0.f;
   const int64_t k_tiles = open * q_slices;
-  int64_t issue_b = 0, issue_slice = 0;
-  while (issue_b < p.batch && p.gate.at(issue_b, h) == 0.f) ++issue_b;
+  // Open batch rows in ascending |gate| order (as the forward's heads).
+  const auto gate_of_row = [&](int64_t bb) { return p.gate.at(bb, h); };
+  int64_t issue_b = next_open_ascending(gate_of_row, p.batch, -1), issue_slice = 0;
   auto issue = [&](int64_t kt) {
     if (kt < k_tiles) {
       const int st = static_cast<int>(kt % kStages);
@@ -516,8 +543,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_tc_kernel(TcBwdPar
       load_trans_slice<T, CopyBytes>(b_tile(st), z + issue_b * p.z_sb + q * p.z_sq, p.z_sq, p.seq - q, cols, z);
       if (++issue_slice == q_slices) {
         issue_slice = 0;
-        do ++issue_b;
-        while (issue_b < p.batch && p.gate.at(issue_b, h) == 0.f);
+        issue_b = next_open_ascending(gate_of_row, p.batch, issue_b);
       }
     }
     hw::cp_async_commit();
@@ -536,8 +562,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_tc_kernel(TcBwdPar
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     if (++comp_slice == q_slices) {
       comp_slice = 0;
-      do ++comp_b;
-      while (p.gate.at(comp_b, h) == 0.f);
+      comp_b = next_open_ascending(gate_of_row, p.batch, comp_b);
       const float alpha = p.gate.scale(comp_b) * p.gate.at(comp_b, h);
       if (kt == 0) {
         alpha_cur = alpha;

@@ -173,6 +173,19 @@ def test_sim_tensor_core_forward_query_chunks(monkeypatch):
     assert torch.equal(chunked, SIM.dcmha_attention(q, k, v, w, window=90))
 
 
+@pytest.mark.parametrize("optin", [101376, 166912], ids=["sm86_99KiB", "sm80_163KiB"])
+def test_sim_tensor_core_forward_falls_back_where_its_smem_does_not_fit(monkeypatch, optin):
+    # 32 heads in one group need ~104 KiB of weights and statistics per CTA (and more with
+    # dh = 200 on sm_80): on a part whose opt-in limit is below that (the emulated limit
+    # lowered by HEADWISE_SIM_SMEM_OPTIN) the call takes the SIMT kernel instead of failing.
+    dh = 8 if optin == 101376 else 200
+    (q, k, v), w = _mma_inputs(1, 32, 5, dh, 8, torch.bfloat16)
+    monkeypatch.setenv("HEADWISE_SIM_SMEM_OPTIN", str(optin))
+    got = SIM.dcmha_attention(q, k, v, w)
+    want = reference.dcmha_attention(q.double(), k.double(), v.double(), DCMHAWeights(*(x.double() for x in w)))
+    assert rel_err(got.double(), want) <= MMA_TOL[torch.bfloat16]
+
+
 def test_sim_tensor_core_forward_misaligned_view():
     # A view 2 elements into its storage is not 16-byte aligned: the element-copy path.
     (q, k, v), w = _mma_inputs(1, 2, 40, 16, 16, torch.float16)

@@ -587,6 +587,32 @@ def test_tensor_core_forward_skips_closed_heads(dtype):
     assert rel_err(out, merge64(z, w, bias, gate, True)) <= 8e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_tensor_core_gates_of_any_range(dtype):
+    """Gates from 1 down to 1e-39 (subnormal) in one row: the accumulators' alpha rescale
+    visits heads (and, for grad_weight_o, batch rows) in ascending |gate| order, so no
+    rescale factor overflows; outputs and gradients stay finite and match the reference."""
+    sim = headwise.testing.backend("sim")
+    b, h, q, dv, d = 3, 5, 37, 24, 40
+    z = make_tc_z(b, h, q, dv, "bqhd_view", dtype).clone().requires_grad_()
+    w, bias = make_params(h, dv, d, dtype=dtype)
+    w.requires_grad_()
+    gate = torch.tensor([[1.0, 1e-39, 0.5, 1e-30, 0.0],
+                         [1e-39, 1.0, 1e-20, 0.25, 1.0],
+                         [0.0, 1e-38, 0.0, 1.0, 3e-39]])
+    for rescale in (False, True):
+        out = sim.head_merge(z, w, bias, head_gate=gate, rescale=rescale)
+        want = merge64(z.detach(), w.detach(), bias, gate, rescale)
+        assert torch.isfinite(out).all(), rescale
+        assert rel_err(out, want) <= (8e-3 if dtype == torch.bfloat16 else 1e-3), rescale
+        dy = torch.randn(b, q, d, generator=torch.Generator().manual_seed(3)).to(dtype)
+        gz, gw = torch.autograd.grad(out, (z, w), dy)
+        z64, w64 = z.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        gz64, gw64 = torch.autograd.grad(merge64(z64, w64, bias, gate, rescale), (z64, w64), dy.double())
+        assert torch.isfinite(gz).all() and torch.isfinite(gw).all(), rescale
+        assert rel_err(gw, gw64) <= 1e-2 and rel_err(gz, gz64) <= 1e-2, rescale
+
+
 def test_fp32_follows_torch_matmul_precision():
     """fp32: TF32 tensor cores only when torch lets matmuls use TF32, else full precision."""
     sim = headwise.testing.backend("sim")
