@@ -122,6 +122,37 @@ struct TcFwdParams {
   int64_t q_tiles, n_tiles;
 };
 
+// Every accumulator fragment element of the warp tile: acc = 0, or acc *= factor.
+__device__ __forceinline__ void zero_accumulators(float (&acc)[kMmaM][kMmaN][4]) {
+#pragma unroll
+  for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+    for (int j = 0; j < kMmaN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+}
+__device__ __forceinline__ void scale_accumulators(float (&acc)[kMmaM][kMmaN][4], float factor) {
+#pragma unroll
+  for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+    for (int j = 0; j < kMmaN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] *= factor;
+}
+
+// The accumulators hold sum_k (alpha_k / alpha_cur) P_k; before adding products of a head
+// (or batch row) with alpha `alpha` they move to units of it: acc *= alpha_cur / alpha (the
+// first one, while acc is still 0, only sets alpha_cur: 1 / alpha may overflow).
+__device__ __forceinline__ void switch_alpha(float (&acc)[kMmaM][kMmaN][4], float& alpha_cur, float alpha,
+                                             bool first) {
+  if (first) {
+    alpha_cur = alpha;
+  } else if (alpha != alpha_cur) {
+    scale_accumulators(acc, alpha_cur / alpha);
+    alpha_cur = alpha;
+  }
+}
+
 // The open entries (gate != 0) of a gate row (or column) in ascending (|g|, index) order,
 // the order in which the tensor-core kernels accumulate heads (or batch rows) so that the
 // alpha rescale factor alpha_prev / alpha_next stays <= max s / min s in magnitude. A NaN
@@ -203,12 +234,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
   };
 
   float acc[kMmaM][kMmaN][4];
-#pragma unroll
-  for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-    for (int j = 0; j < kMmaN; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  zero_accumulators(acc);
 
 #pragma unroll
   for (int kt = 0; kt < kStages - 1; ++kt) issue(kt);
@@ -230,19 +256,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
     if (++comp_slice == slices) {  // the next open head
       comp_slice = 0;
       comp_h = next_open_ascending(gate_of_head, p.heads, comp_h);
-      const float alpha = s * p.gate.at(b, comp_h);
-      if (kt == 0) {
-        alpha_cur = alpha;  // acc is still 0: no rescale (1 / alpha may overflow)
-      } else if (alpha != alpha_cur) {
-        const float ratio = alpha_cur / alpha;
-#pragma unroll
-        for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-          for (int j = 0; j < kMmaN; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] *= ratio;
-        alpha_cur = alpha;
-      }
+      switch_alpha(acc, alpha_cur, s * p.gate.at(b, comp_h), kt == 0);
     }
     hw::cp_async_wait<kStages - 2>();
     __syncthreads();
@@ -434,12 +448,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dz_tc_kernel(TcBwdPar
     hw::cp_async_commit();
   };
   float acc[kMmaM][kMmaN][4];
-#pragma unroll
-  for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-    for (int j = 0; j < kMmaN; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  zero_accumulators(acc);
 #pragma unroll
   for (int kt = 0; kt < kStages - 1; ++kt) issue(kt);
   const int quad = lane / 8, row_in_quad = lane % 8;
@@ -549,12 +558,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_tc_kernel(TcBwdPar
     hw::cp_async_commit();
   };
   float acc[kMmaM][kMmaN][4];
-#pragma unroll
-  for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-    for (int j = 0; j < kMmaN; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  zero_accumulators(acc);
 #pragma unroll
   for (int kt = 0; kt < kStages - 1; ++kt) issue(kt);
   int64_t comp_b = -1, comp_slice = q_slices - 1;
@@ -563,19 +567,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_tc_kernel(TcBwdPar
     if (++comp_slice == q_slices) {
       comp_slice = 0;
       comp_b = next_open_ascending(gate_of_row, p.batch, comp_b);
-      const float alpha = p.gate.scale(comp_b) * p.gate.at(comp_b, h);
-      if (kt == 0) {
-        alpha_cur = alpha;
-      } else if (alpha != alpha_cur) {
-        const float ratio = alpha_cur / alpha;
-#pragma unroll
-        for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-          for (int j = 0; j < kMmaN; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] *= ratio;
-        alpha_cur = alpha;
-      }
+      switch_alpha(acc, alpha_cur, p.gate.scale(comp_b) * p.gate.at(comp_b, h), kt == 0);
     }
     hw::cp_async_wait<kStages - 2>();
     __syncthreads();
