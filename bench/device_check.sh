@@ -5,26 +5,33 @@
 # builds headwise in place against that machine's torch (sm_90 + PTX, ptxas reports kept),
 # runs the primitive self-tests (mma.sync / ldmatrix / cp.async / cluster lane maps: the
 # only check of the emulator's fragment maps against real hardware) and the sample GEMM,
-# the other CUDA tests, compute-sanitizer memcheck and racecheck on small cases, the
-# emulator's H200 estimates beside the measured times (python -m headwise.bench.calibrate),
-# then the GPU benchmarks. Each stage has its own time limit, cut further by what is left of one
-# 9-minute budget for the whole script (a stage with under 15 s left is skipped); a
-# failing stage is reported and the next one still runs. Everything lands in
-# RESULTS_DIR (default ./device_results): device_check.log, build.log, ptxas.txt,
-# primitive_tests.xml, cuda_tests.xml, sanitizer_*.log, calibration.json,
-# bench_{mhar,qkv,merge,dcmha}.json.
+# the other CUDA tests, the issues' acceptance ratios (python -m headwise.bench.targets),
+# the emulator's H200 estimates beside the measured times (python -m headwise.bench.calibrate),
+# compute-sanitizer memcheck and racecheck on small cases, one ncu report of the
+# tensor-core merge, then the GPU benchmarks. Stages run in that order (most valuable
+# first); each has its own time limit, cut further by what is left of one budget for the
+# whole script (HEADWISE_CHECK_BUDGET_S, default 530 s; a stage with under 15 s left is
+# skipped); a failing stage is reported and the next one still runs.
+# RESULTS_DIR (default ./device_results) receives device_check.log (everything printed)
+# and device_results.tgz (build.log, ptxas.txt, primitive_tests.xml, cuda_tests.xml,
+# targets.json, calibration.json, sanitizer_*.log, ncu_merge.txt, bench_*.json): two files,
+# since a lent machine returns at most 8.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-device_results}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
+RES="$OUT_DIR/files"
+mkdir -p "$RES"
+pack() { tar czf "$OUT_DIR/device_results.tgz" -C "$RES" . && rm -rf "$RES"; }
+trap pack EXIT
 exec > >(tee -a "$OUT_DIR/device_check.log") 2>&1
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 status=0
-stage() { echo; echo "=== $1  ($(date +%H:%M:%S))"; }
+stage() { echo; echo "=== $1  ($(date +%H:%M:%S), $(( DEADLINE - $(date +%s) )) s left)"; }
 fail() { echo "!!! stage failed: $1"; status=1; }
-DEADLINE=$(( $(date +%s) + ${HEADWISE_CHECK_BUDGET_S:-540} ))
+DEADLINE=$(( $(date +%s) + ${HEADWISE_CHECK_BUDGET_S:-530} ))
 # cap N: the stage's limit, at most what is left of the budget (0: skip the stage).
 cap() { local left=$(( DEADLINE - $(date +%s) )); (( left < 15 )) && { echo 0; return; }; echo $(( $1 < left ? $1 : left )); }
 run_capped() {  # run_capped LIMIT_S NAME CMD...: runs CMD under the capped limit
@@ -39,13 +46,14 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 
 stage "build (sm_90 + PTX, in place)"
 rm -rf build python/headwise/_C*.so python/headwise/_sim*.so
+nvcc --version | tail -2
 if HEADWISE_FORCE_CUDA=1 HEADWISE_SIM_PROFILE=0 HEADWISE_PTXAS_VERBOSE=1 HEADWISE_CUDA_ARCHS="${HEADWISE_CUDA_ARCHS:-90}" \
-   MAX_JOBS=$(nproc) timeout "$(cap 240)" $PY setup.py build_ext --inplace > "$OUT_DIR/build.log" 2>&1; then
-  grep -E "ptxas info|bytes stack frame|spill" "$OUT_DIR/build.log" > "$OUT_DIR/ptxas.txt" || true
-  echo "ptxas: $(grep -c 'Used' "$OUT_DIR/ptxas.txt") kernel reports; spills:"
-  grep -E "[1-9][0-9]* bytes spill" "$OUT_DIR/ptxas.txt" || echo "  none"
+   MAX_JOBS=$(nproc) timeout "$(cap 300)" $PY setup.py build_ext --inplace > "$RES/build.log" 2>&1; then
+  grep -E "ptxas info|bytes stack frame|spill" "$RES/build.log" > "$RES/ptxas.txt" || true
+  echo "ptxas: $(grep -c 'Used' "$RES/ptxas.txt") kernel reports; spills:"
+  grep -E "[1-9][0-9]* bytes spill" "$RES/ptxas.txt" || echo "  none"
 else
-  tail -40 "$OUT_DIR/build.log"; fail build
+  tail -40 "$RES/build.log"; fail build
   exit 1
 fi
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
@@ -53,7 +61,7 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 PRIMITIVE_TESTS="simt/test_primitives.py gemm/test_sample_gemm.py"
 stage "primitive self-tests and sample GEMM on the GPU (lane maps against the hardware)"
 cd tests
-run_capped 60 "primitive tests" $PY -m pytest -q -ra -k cuda --junitxml="$OUT_DIR/primitive_tests.xml" \
+run_capped 60 "primitive tests" $PY -m pytest -q -ra -k cuda --junitxml="$RES/primitive_tests.xml" \
   $PRIMITIVE_TESTS
 run_capped 20 "sample gemm timing" $PY -c "
 import torch, headwise
@@ -65,25 +73,44 @@ for name, f in [('headwise.sample_gemm', lambda: torch.ops.headwise.sample_gemm(
     print(f'{name:22s} 4096^3 bf16: {ms:.3f} ms, {2 * 4096**3 / ms / 1e9:.0f} TFLOP/s')"
 
 stage "CUDA tests"
-run_capped 120 "cuda tests" $PY -m pytest -q -ra -k cuda --junitxml="$OUT_DIR/cuda_tests.xml" \
+XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
+run_capped 120 "cuda tests" $PY -m pytest -q -ra $XDIST -k cuda --junitxml="$RES/cuda_tests.xml" \
   $(for t in $PRIMITIVE_TESTS; do echo "--ignore=$t"; done) .
 cd ..
 
-stage "compute-sanitizer memcheck + racecheck (small cases)"
-for tool in memcheck racecheck; do
-  run_capped 60 "compute-sanitizer $tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-    $PY bench/sanitize_cases.py > "$OUT_DIR/sanitizer_$tool.log" 2>&1
-  tail -3 "$OUT_DIR/sanitizer_$tool.log"
-done
+stage "acceptance ratios of the GPU issues (merge, DCMHA forward)"
+run_capped 75 "targets" $PY -m headwise.bench.targets merge dcmha --json "$RES/targets.json"
 
 stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
-run_capped 90 "calibrate" $PY -m headwise.bench.calibrate --json "$OUT_DIR/calibration.json"
+run_capped 90 "calibrate" $PY -m headwise.bench.calibrate --estimates bench/sim_profile_h200_tensor_cores.json \
+  --json "$RES/calibration.json"
 
-stage "GPU benchmarks"
-run_capped 90 "bench mhar" $PY -m headwise.bench mhar --device cuda --json "$OUT_DIR/bench_mhar.json"
-run_capped 45 "bench qkv" $PY -m headwise.bench qkv --device cuda --json "$OUT_DIR/bench_qkv.json"
-run_capped 60 "bench merge" $PY -m headwise.bench merge --device cuda --json "$OUT_DIR/bench_merge.json"
-run_capped 60 "bench dcmha" $PY -m headwise.bench dcmha --device cuda --json "$OUT_DIR/bench_dcmha.json"
+stage "compute-sanitizer memcheck + racecheck (small cases)"
+for tool in memcheck racecheck; do
+  run_capped 50 "compute-sanitizer $tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    $PY bench/sanitize_cases.py > "$RES/sanitizer_$tool.log" 2>&1
+  tail -3 "$RES/sanitizer_$tool.log"
+done
+
+stage "DCMHA forward + backward at the target shape (one run; the backward is the SIMT kernel)"
+run_capped 60 "targets dcmha-backward" $PY -m headwise.bench.targets dcmha-backward --json "$RES/targets_dcmha_backward.json"
+
+stage "ncu: the tensor-core merge forward and grad_z (memory tables, one launch each)"
+run_capped 45 "ncu merge" ncu --clock-control none --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc" --launch-count 2 \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section Occupancy \
+  $PY -c "
+import torch, headwise
+z = torch.randn(4, 32, 4096, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16, requires_grad=True)
+headwise.head_merge(z, w, None, head_gate=torch.ones(32, device='cuda')).sum().backward()
+torch.cuda.synchronize()" > "$RES/ncu_merge.txt" 2>&1
+grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Compute \(SM\)" "$RES/ncu_merge.txt" | head -30
+
+stage "GPU benchmarks (eager, torch.compile, headwise)"
+run_capped 90 "bench merge" $PY -m headwise.bench merge --device cuda --repeats 20 --json "$RES/bench_merge.json"
+run_capped 60 "bench mhar" $PY -m headwise.bench mhar --device cuda --repeats 20 --json "$RES/bench_mhar.json"
+run_capped 60 "bench qkv" $PY -m headwise.bench qkv --device cuda --repeats 20 --json "$RES/bench_qkv.json"
+run_capped 60 "bench dcmha" $PY -m headwise.bench dcmha --device cuda --repeats 3 --json "$RES/bench_dcmha.json"
 
 stage "done (status $status)"
 exit $status

@@ -17,6 +17,9 @@ QKV_CASES = [
 
 # (B, H, Q, Dv, D) for head_merge.
 MERGE_CASES = [(2, 3, 37, 8, 70), (1, 5, 3, 67, 9), (2, 2, 33, 64, 65)]
+# (B, H, T, dh, head_groups, window) for dcmha_attention: one and several query tiles,
+# dh not a multiple of 16, head groups, a window.
+DCMHA_CASES = [(1, 4, 37, 16, 1, None), (2, 4, 70, 24, 2, None), (1, 3, 65, 64, 1, 17)]
 
 
 def main():
@@ -60,6 +63,15 @@ def main():
             out.float().sum().backward()
             out = headwise.head_merge(torch.randn(b, h, q, dv, device="cuda", dtype=dtype), w, None,
                                       head_gate=(gate.detach() > 0.5).float())
+    for b, h, t, dh, groups, window in DCMHA_CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(b, h, t, dh, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+            w1 = torch.randn(b, t, 4, 2, h, device="cuda", dtype=dtype, requires_grad=True)
+            w2 = (0.1 * torch.randn(b, t, 4, 2, h, device="cuda", dtype=dtype)).requires_grad_()
+            g = (0.1 * torch.randn(b, t, 4, h, device="cuda", dtype=dtype)).requires_grad_()
+            out = headwise.dcmha_attention(q, k, v, headwise.DCMHAWeights(w1, w2, g), window=window,
+                                           head_groups=groups)
+            out.float().sum().backward()
     torch.cuda.synchronize()
     print("sanitize_cases: ok")
 

@@ -370,6 +370,10 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        // Every lane of the quad has read st_m above; lane 0 overwrites it below. A shuffle
+        // orders no memory, so the warp synchronizes first (compute-sanitizer racecheck
+        // reported this read/write pair on an H200).
+        __syncwarp();
         if (tq == 0 && m_new != -INFINITY) {
           const float z_old = st_z[n * kTileRows + r];
           st_z[n * kTileRows + r] = (m_old == -INFINITY ? 0.f : z_old * expf(m_old - m_new)) + sum;

@@ -132,9 +132,10 @@ void launch_fwd_tc(const at::Tensor& z, const at::Tensor& w, const at::Tensor& b
   p.q_tiles = (s.seq + tc::kBM - 1) / tc::kBM;
   p.n_tiles = (s.d + tc::kBN - 1) / tc::kBN;
   const dim3 grid(static_cast<unsigned>(s.batch * p.q_tiles * p.n_tiles));
+  const size_t smem = tc::fwd_smem_bytes(s.heads);
   auto launch = [&](auto kernel) {
-    hw::allow_dynamic_smem("head_merge", kernel, tc::kSmemBytes);
-    HW_LAUNCH("head_merge_fwd_tc", kernel, grid, dim3(tc::kThreads), tc::kSmemBytes, p);
+    hw::allow_dynamic_smem("head_merge", kernel, smem);
+    HW_LAUNCH("head_merge_fwd_tc", kernel, grid, dim3(tc::kThreads), smem, p);
   };
   with_copy_bytes<T>(tc_copy_bytes(z, w, s),
                      [&](auto bytes) { launch(&tc::head_merge_fwd_tc_kernel<T, decltype(bytes)::value>); });

@@ -26,9 +26,11 @@
 //   accumulated: at a change of alpha between open heads they are multiplied by
 //   alpha_prev / alpha_new, and by the last alpha in the epilogue (no second accumulator
 //   set, so no extra registers). The open heads are visited in ascending |gate| order
-//   (next_open_ascending), so that factor is at most max s / min s <= H in magnitude for
-//   gates in [0, 1]: no gate range (say 1 and 1e-39) overflows the accumulators. Binary gates and no gate are one alpha:
-//   a single multiply in the epilogue. The bias is added in the epilogue.
+//   (rank_open_heads builds that order once per CTA into shared memory, H ints after the
+//   operand ring), so that factor is at most max s / min s <= H in magnitude for gates in
+//   [0, 1]: no gate range (say 1 and 1e-39) overflows the accumulators. Binary gates and
+//   no gate are one alpha: a single multiply in the epilogue. The bias is added in the
+//   epilogue.
 //
 // Budget at the target shape B*Q = 16384, H = 32, Dv = 128, D = 4096, bf16 (ESTIMATES,
 // the H200 model of python/headwise/bench/sim_profile.py; nothing measured on a GPU)
@@ -159,9 +161,11 @@ __device__ __forceinline__ void switch_alpha(float (&acc)[kMmaM][kMmaN][4], floa
 // gate sorts last (its NaN reaches the output). gate_of(i) reads entry i of n; prev is the
 // entry returned before (-1 for the first); returns n when none is left. O(n) per call,
 // once per head (or batch row) of the K loop; without gates it is index order.
+__device__ __forceinline__ float ascending_gate_key(float g) { return g != g ? INFINITY : fabsf(g); }
+
 template <typename GateOf>
 __device__ __forceinline__ int64_t next_open_ascending(const GateOf& gate_of, int64_t n, int64_t prev) {
-  auto key = [](float g) { return g != g ? INFINITY : fabsf(g); };
+  const auto key = ascending_gate_key;
   const float prev_key = prev < 0 ? 0.f : key(gate_of(prev));
   int64_t best = n;
   float best_key = 0.f;
@@ -176,6 +180,35 @@ __device__ __forceinline__ int64_t next_open_ascending(const GateOf& gate_of, in
     }
   }
   return best;
+}
+
+// The same order for all n entries at once, by the whole CTA: order[rank] = i for each open
+// entry i, rank = the number of open entries before it in (|g|, index) order (O(n) per
+// entry, n / blockDim.x entries per thread). Returns the number of open entries; the
+// caller synchronizes before reading order.
+template <typename GateOf>
+__device__ __forceinline__ int64_t rank_open_heads(const GateOf& gate_of, int64_t n, int* order) {
+  int64_t open = 0;
+  for (int64_t j = 0; j < n; ++j) open += gate_of(j) != 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float gi = gate_of(i);
+    if (gi == 0.f) continue;
+    const float ki = ascending_gate_key(gi);
+    int64_t rank = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const float gj = gate_of(j);
+      if (gj == 0.f) continue;
+      const float kj = ascending_gate_key(gj);
+      rank += kj < ki || (kj == ki && j < i);
+    }
+    order[rank] = static_cast<int>(i);
+  }
+  return open;
+}
+
+// Dynamic shared memory of the forward: the operand ring, then the head order (H ints).
+inline size_t fwd_smem_bytes(int64_t heads) {
+  return kSmemBytes + static_cast<size_t>((heads * static_cast<int64_t>(sizeof(int)) + 15) / 16 * 16);
 }
 
 // grid (B * ceil(Q / kBM) * ceil(D / kBN)), kThreads threads, kSmemBytes dynamic shared
@@ -201,17 +234,18 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
   const int64_t rows_b = p.d - n0 < kBN ? p.d - n0 : kBN;
   const int64_t slices = (p.dv + BK - 1) / BK;  // k slices per head
 
-  int64_t open = 0;
-  for (int64_t h = 0; h < p.heads; ++h) open += p.gate.at(b, h) != 0.f;
+  // The open heads of row b in ascending |gate| order, once per CTA.
+  int* order = reinterpret_cast<int*>(smem + kSmemBytes);
+  const int64_t open = rank_open_heads([&](int64_t h) { return p.gate.at(b, h); }, p.heads, order);
   const int64_t k_tiles = open * slices;
   const float s = p.gate.scale(b);
+  __syncthreads();
 
-  // The copy cursor: head and slice of the next slice to issue (open heads in ascending
-  // |gate| order).
-  const auto gate_of_head = [&](int64_t h) { return p.gate.at(b, h); };
-  int64_t issue_h = next_open_ascending(gate_of_head, p.heads, -1), issue_slice = 0;
+  // The copy cursor: head and slice of the next slice to issue.
+  int64_t issue_rank = 0, issue_slice = 0;
   auto issue = [&](int64_t kt) {
     if (kt < k_tiles) {
+      const int64_t issue_h = order[issue_rank];
       const int st = static_cast<int>(kt % kStages);
       const int64_t k = issue_slice * BK;
       const T* za = z + issue_h * p.z_sh + k;
@@ -227,7 +261,7 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
       }
       if (++issue_slice == slices) {
         issue_slice = 0;
-        issue_h = next_open_ascending(gate_of_head, p.heads, issue_h);
+        ++issue_rank;
       }
     }
     hw::cp_async_commit();
@@ -250,13 +284,12 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
 
   // The compute cursor: alpha of the head being accumulated (acc holds the sum scaled
   // by 1 / alpha_cur).
-  int64_t comp_h = -1, comp_slice = slices - 1;
+  int64_t comp_rank = -1, comp_slice = slices - 1;
   float alpha_cur = 1.f;
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     if (++comp_slice == slices) {  // the next open head
       comp_slice = 0;
-      comp_h = next_open_ascending(gate_of_head, p.heads, comp_h);
-      switch_alpha(acc, alpha_cur, s * p.gate.at(b, comp_h), kt == 0);
+      switch_alpha(acc, alpha_cur, s * p.gate.at(b, order[++comp_rank]), kt == 0);
     }
     hw::cp_async_wait<kStages - 2>();
     __syncthreads();

@@ -20,16 +20,17 @@ SHAPES = [
 LAYOUTS = ["bhqd", "bqhd_view", "sliced"]
 
 
-def make_z(b, h, q, dv, layout, dtype=torch.float32, seed=0):
+def make_z(b, h, q, dv, layout, dtype=torch.float32, seed=0, device="cpu"):
     """z [B, H, Q, Dv] in one of three layouts: contiguous, a transposed view of
-    [B, Q, H, Dv] memory, and a non-dense slice (stride-1 last dim)."""
+    [B, Q, H, Dv] memory, and a non-dense slice (stride-1 last dim); the view is taken
+    on `device`, so the layout survives the move."""
     gen = torch.Generator().manual_seed(seed)
     if layout == "bhqd":
-        return torch.randn(b, h, q, dv, generator=gen).to(dtype)
+        return torch.randn(b, h, q, dv, generator=gen).to(device, dtype)
     if layout == "bqhd_view":
-        return torch.randn(b, q, h, dv, generator=gen).to(dtype).transpose(1, 2)
+        return torch.randn(b, q, h, dv, generator=gen).to(device, dtype).transpose(1, 2)
     if layout == "sliced":
-        return torch.randn(b, h + 1, q, dv + 3, generator=gen).to(dtype)[:, 1:, :, 2 : 2 + dv]
+        return torch.randn(b, h + 1, q, dv + 3, generator=gen).to(device, dtype)[:, 1:, :, 2 : 2 + dv]
     raise ValueError(layout)
 
 
@@ -65,15 +66,17 @@ def run_both(ops, z, w, bias, gate, rescale, *, stats=True, grad_seed=3, leaves=
     results = []
     for fn in (ops.head_merge, reference.head_merge):
         zz = z.detach().clone() if fn is reference.head_merge else z.detach()
-        args = {"z": zz, "w": w.detach().clone(), "bias": None if bias is None else bias.detach().clone(),
-                "gate": None if gate is None else gate.detach().clone()}
+        # The parameters are made on the CPU; both run on z's device.
+        args = {"z": zz, "w": w.detach().to(z.device, copy=True),
+                "bias": None if bias is None else bias.detach().to(z.device, copy=True),
+                "gate": None if gate is None else gate.detach().to(z.device, copy=True)}
         for k in leaves:
             if args[k] is not None:
                 args[k].requires_grad_()
         res = fn(args["z"], args["w"], args["bias"], head_gate=args["gate"], rescale=rescale, return_stats=stats)
         out, st = res if stats else (res, None)
         gen = torch.Generator().manual_seed(grad_seed)
-        grad = torch.randn(out.shape, generator=gen).to(out.dtype)
+        grad = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
         out.backward(grad)
         grads = {k: (args[k].grad if args[k] is not None and args[k].requires_grad else None) for k in args}
         results.append((out, st, grads, args["z"]))
@@ -148,11 +151,12 @@ def test_two_head_trace(backend):
     w_o = torch.tensor([[1, 0, 0.5, 0], [0, 1, 0, 0.5], [0.5, 0, 1, 0], [0, 0.5, 0, 1]])  # Y = Z W_O
     weight_o = w_o.t().contiguous()  # nn.Linear orientation [D_model, H*Dv]
     z = torch.tensor([[0.752, 0.752], [-0.546, 0.926]]).view(1, 2, 1, 2)  # [B=1, H=2, Q=1, Dv=2]
-    y = backend.head_merge(z.to(backend.device), weight_o.to(backend.device))
+    z, weight_o, w_o = (t.to(backend.device) for t in (z, weight_o, w_o))
+    y = backend.head_merge(z, weight_o)
     torch.testing.assert_close(y.view(4).cpu(), torch.tensor([0.479, 1.215, -0.170, 1.302]), atol=1e-3, rtol=0)
-    gate = torch.tensor([1.0, 0.0])
+    gate = torch.tensor([1.0, 0.0], device=backend.device)
     y_ablated = backend.head_merge(z, weight_o, head_gate=gate)
-    expected = torch.tensor([0.752, 0.752, 0.0, 0.0]) @ w_o
+    expected = torch.tensor([0.752, 0.752, 0.0, 0.0], device=backend.device) @ w_o
     torch.testing.assert_close(y_ablated.view(4), expected, atol=1e-6, rtol=0)
     # Permuting the head blocks of Z and the matching rows of W_O leaves y unchanged.
     z_swapped = z.flip(1)
@@ -527,11 +531,20 @@ TC_SHAPES = [
 TC_LAYOUTS = ["bhqd", "bqhd_view", "offset2", "sliced"]
 
 
-def make_tc_z(b, h, q, dv, layout, dtype, seed=0):
+def make_tc_z(b, h, q, dv, layout, dtype, seed=0, device="cpu"):
     if layout == "offset2":
         gen = torch.Generator().manual_seed(seed)
-        return torch.randn(b, h, q, dv + 2, generator=gen).to(dtype)[..., 2:]
-    return make_z(b, h, q, dv, layout, dtype=dtype, seed=seed)
+        return torch.randn(b, h, q, dv + 2, generator=gen).to(device, dtype)[..., 2:]
+    return make_z(b, h, q, dv, layout, dtype=dtype, seed=seed, device=device)
+
+
+@pytest.fixture(params=["sim", "cuda"])
+def tc_backend(request):
+    """The builds that run the tensor-core kernels: the emulator, and a GPU when there is
+    one (where plain ungated calls without stats go to cuBLAS instead, fwd_path)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return headwise.testing.backend(request.param)
 
 
 def merge64(z, w, bias, gate, rescale):
@@ -549,63 +562,67 @@ def all_closed_row_gate(b, h):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("layout", TC_LAYOUTS)
 @pytest.mark.parametrize("b,h,q,dv,d", TC_SHAPES)
-def test_tensor_core_forward_matches_reference(b, h, q, dv, d, layout, dtype):
-    sim, cpu = headwise.testing.backend("sim"), headwise.testing.backend("cpu")
-    z = make_tc_z(b, h, q, dv, layout, dtype)
-    w, bias = make_params(h, dv, d, dtype=dtype)
+def test_tensor_core_forward_matches_reference(tc_backend, b, h, q, dv, d, layout, dtype):
+    cpu, dev = headwise.testing.backend("cpu"), tc_backend.device
+    z = make_tc_z(b, h, q, dv, layout, dtype, device=dev)
+    w, bias = (t.to(dev) for t in make_params(h, dv, d, dtype=dtype))
     gates = [(None, False), (make_gate("row_hard", b, h), False), (make_gate("soft", b, h), True),
              (all_closed_row_gate(b, h), True)]
     for gate, rescale in gates:
+        gate = None if gate is None else gate.to(dev)
         for bb in (bias, None):
-            out = sim.head_merge(z, w, bb, head_gate=gate, rescale=rescale)
+            out = tc_backend.head_merge(z, w, bb, head_gate=gate, rescale=rescale)
             assert out.dtype == dtype and out.shape == (b, q, d)
             want = merge64(z, w, bb, gate, rescale)
             # fp32 accumulation, one rounding of the output to 8 (bf16) / 11 (f16) bits
             tol = 8e-3 if dtype == torch.bfloat16 else 1e-3
             assert rel_err(out, want) <= tol, (gate, rescale, bb is None)
-            assert rel_err(out, cpu.head_merge(z, w, bb, head_gate=gate, rescale=rescale)) <= 2 * tol
+            on_cpu = cpu.head_merge(*(None if t is None else t.cpu() for t in (z, w, bb)),
+                                    head_gate=None if gate is None else gate.cpu(), rescale=rescale)
+            assert rel_err(out, on_cpu) <= 2 * tol
             if gate is not None and bool((gate.expand(b, h)[0] == 0).all()):
-                want0 = torch.zeros(q, d, dtype=dtype) if bb is None else bb.expand(q, d)
+                want0 = torch.zeros(q, d, dtype=dtype, device=dev) if bb is None else bb.expand(q, d)
                 assert torch.equal(out[0], want0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_tensor_core_forward_skips_closed_heads(dtype):
+def test_tensor_core_forward_skips_closed_heads(tc_backend, dtype):
     """NaN in the closed heads' z (per batch row) does not reach the output: those tiles
     are never loaded."""
-    sim = headwise.testing.backend("sim")
+    dev = tc_backend.device
     b, h, q, dv, d = 2, 4, 37, 24, 40
-    z = make_tc_z(b, h, q, dv, "bqhd_view", dtype).clone()
-    w, bias = make_params(h, dv, d, dtype=dtype)
+    z = make_tc_z(b, h, q, dv, "bqhd_view", dtype, device=dev).clone()
+    w, bias = (t.to(dev) for t in make_params(h, dv, d, dtype=dtype))
     gate = torch.rand(b, h, generator=torch.Generator().manual_seed(7)) + 0.5
     gate[0, 1] = gate[1, 3] = 0
+    gate = gate.to(dev)
     z_nan = z.clone()
     z_nan[0, 1] = float("nan")
     z_nan[1, 3] = float("inf")
-    out = sim.head_merge(z_nan, w, bias, head_gate=gate, rescale=True)
+    out = tc_backend.head_merge(z_nan, w, bias, head_gate=gate, rescale=True)
     assert torch.isfinite(out).all()
     assert rel_err(out, merge64(z, w, bias, gate, True)) <= 8e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_tensor_core_gates_of_any_range(dtype):
+def test_tensor_core_gates_of_any_range(tc_backend, dtype):
     """Gates from 1 down to 1e-39 (subnormal) in one row: the accumulators' alpha rescale
     visits heads (and, for grad_weight_o, batch rows) in ascending |gate| order, so no
     rescale factor overflows; outputs and gradients stay finite and match the reference."""
-    sim = headwise.testing.backend("sim")
+    dev = tc_backend.device
     b, h, q, dv, d = 3, 5, 37, 24, 40
-    z = make_tc_z(b, h, q, dv, "bqhd_view", dtype).clone().requires_grad_()
-    w, bias = make_params(h, dv, d, dtype=dtype)
+    z = make_tc_z(b, h, q, dv, "bqhd_view", dtype, device=dev).clone().requires_grad_()
+    w, bias = (t.to(dev) for t in make_params(h, dv, d, dtype=dtype))
     w.requires_grad_()
     gate = torch.tensor([[1.0, 1e-39, 0.5, 1e-30, 0.0],
                          [1e-39, 1.0, 1e-20, 0.25, 1.0],
-                         [0.0, 1e-38, 0.0, 1.0, 3e-39]])
+                         [0.0, 1e-38, 0.0, 1.0, 3e-39]], device=dev)
     for rescale in (False, True):
-        out = sim.head_merge(z, w, bias, head_gate=gate, rescale=rescale)
+        out = tc_backend.head_merge(z, w, bias, head_gate=gate, rescale=rescale)
         want = merge64(z.detach(), w.detach(), bias, gate, rescale)
         assert torch.isfinite(out).all(), rescale
         assert rel_err(out, want) <= (8e-3 if dtype == torch.bfloat16 else 1e-3), rescale
-        dy = torch.randn(b, q, d, generator=torch.Generator().manual_seed(3)).to(dtype)
+        dy = torch.randn(b, q, d, generator=torch.Generator().manual_seed(3)).to(dev, dtype)
         gz, gw = torch.autograd.grad(out, (z, w), dy)
         z64, w64 = z.detach().double().requires_grad_(), w.detach().double().requires_grad_()
         gz64, gw64 = torch.autograd.grad(merge64(z64, w64, bias, gate, rescale), (z64, w64), dy.double())
@@ -687,24 +704,26 @@ def grads64(z, w, bias, gate, rescale, grad):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("layout", TC_LAYOUTS)
 @pytest.mark.parametrize("b,h,q,dv,d", TC_SHAPES)
-def test_tensor_core_backward_matches_reference(b, h, q, dv, d, layout, dtype):
+def test_tensor_core_backward_matches_reference(tc_backend, b, h, q, dv, d, layout, dtype):
     """grad_z (in z's layout), grad_weight_o, grad_bias and the gate's gradient of the
     tensor-core backward against the fp64 reference and the CPU kernel; repeatable bitwise."""
-    sim, cpu = headwise.testing.backend("sim"), headwise.testing.backend("cpu")
+    cpu = headwise.testing.backend("cpu")
     z = make_tc_z(b, h, q, dv, layout, dtype)
     w, bias = make_params(h, dv, d, dtype=dtype)
     grad = torch.randn(b, q, d, generator=torch.Generator().manual_seed(9)).to(dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    z_dev = make_tc_z(b, h, q, dv, layout, dtype, device=tc_backend.device)  # same values and strides
     for gate, rescale in [(None, False), (make_gate("row_hard", b, h), False), (make_gate("soft", b, h), True),
                           (all_closed_row_gate(b, h), True)]:
         results = []
-        for ops in (sim, sim, cpu):
-            leaves = [z.detach().requires_grad_(), w.detach().clone().requires_grad_(),  # z keeps its strides
-                      bias.detach().clone().requires_grad_(),
-                      None if gate is None else gate.detach().clone().requires_grad_()]
+        for ops in (tc_backend, tc_backend, cpu):
+            dev = ops.device
+            leaves = [(z_dev if dev == tc_backend.device else z).detach().requires_grad_(),  # z keeps its strides
+                      w.detach().to(dev, copy=True).requires_grad_(), bias.detach().to(dev, copy=True).requires_grad_(),
+                      None if gate is None else gate.detach().to(dev, copy=True).requires_grad_()]
             out = ops.head_merge(leaves[0], leaves[1], leaves[2], head_gate=leaves[3], rescale=rescale)
-            out.backward(grad)
-            results.append([t.grad if t is not None else None for t in leaves])
+            out.backward(grad.to(dev))
+            results.append([t.grad.cpu() if t is not None else None for t in leaves])
         want = grads64(z, w, bias, gate, rescale, grad)
         for name, got, again, on_cpu, ref in zip(("z", "w", "bias", "gate"), *results, want):
             if ref is None:

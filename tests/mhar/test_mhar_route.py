@@ -120,7 +120,9 @@ def test_gate_and_residual_match_reference(backend, n, b, t, d, h, gate_value):
     for name, got, want in zip(names, *results):
         assert got.shape == want.shape and got.dtype == want.dtype, name
         err = rel_err(got, want)
-        assert err <= FP32_TOL, f"{name}: relative error {err:.3g}"
+        # The gate's gradient is one fp32 sum over B*T*d terms in both (up to 6144 here, in
+        # different orders on the GPU): ~sqrt(n) ulps apart, not 2e-6.
+        assert err <= (1e-5 if name == "gate" else FP32_TOL), f"{name}: relative error {err:.3g}"
     if gate_value == 0.0:
         assert torch.equal(results[0][0], residual)
         assert torch.count_nonzero(results[0][1]) == 0  # no gradient reaches the sources through a closed gate
@@ -353,7 +355,8 @@ class TestBadInput:
     def test_cuda_tensor_on_sim(self):
         if not torch.cuda.is_available():
             pytest.skip("no CUDA device")
-        with pytest.raises(RuntimeError, match="sources"):
+        # The emulated library registers CPU kernels only: the dispatcher refuses CUDA inputs.
+        with pytest.raises(NotImplementedError, match="headwise_sim::mhar_route.*'CUDA' backend"):
             self.call(headwise.testing.backend("sim"), sources=self.sources.cuda())
 
     def test_device_mismatch(self):

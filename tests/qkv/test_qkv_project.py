@@ -136,11 +136,11 @@ def test_q_only_and_kv_only(backend):
     q = backend.q_project(args["x"], q_w, q_b, layout=layout, q_norm=kw["q_norm"], rope=kw["rope"],
                           scale_q=kw["scale_q"])
     k, v = backend.kv_project(x_src, kv_w, kv_b, layout=layout, k_norm=kw["k_norm"],
-                              rope=rope_tables(7, layout.head_dim))
+                              rope=tuple(t.to(backend.device) for t in rope_tables(7, layout.head_dim)))
     eq = reference.q_project(args["x"], q_w, q_b, layout=layout, q_norm=kw["q_norm"], rope=kw["rope"],
                              scale_q=kw["scale_q"])
     ek, ev = reference.kv_project(x_src, kv_w, kv_b, layout=layout, k_norm=kw["k_norm"],
-                                  rope=rope_tables(7, layout.head_dim))
+                                  rope=tuple(t.to(backend.device) for t in rope_tables(7, layout.head_dim)))
     # The self-attention projection gives the same Q (and K, V for the same input).
     full_q, _, _ = reference.qkv_project(args["x"], args["weight"], args["bias"], **kw)
     assert rel_err(eq, full_q) <= FP32_TOL
