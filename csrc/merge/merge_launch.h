@@ -18,9 +18,12 @@
 #include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 
 namespace headwise {
@@ -141,6 +144,90 @@ void launch_fwd_tc(const at::Tensor& z, const at::Tensor& w, const at::Tensor& b
                      [&](auto bytes) { launch(&tc::head_merge_fwd_tc_kernel<T, decltype(bytes)::value>); });
 }
 
+// The operands of the statistics pass (head_merge_fwd_tc_kernel<T, _, true>): per head,
+// w_h = [hi | lo] [Dv, 2 Dv] in T with hi + lo ~ L_h^T, L_h the lower Cholesky factor of
+// W_h^T W_h + delta_h I (fp64 on z's device; delta_h = 2^-40 max diag, at least the
+// smallest normal double, so that a rank-deficient or zero W_h factors too): then
+// ||z L_h||^2 = ||z W_h^T||^2 + delta_h ||z||^2, a relative change below 1e-12 of the
+// largest scale. Where the shifted matrix still fails (non-finite W_h gives NaN, as the
+// product would), a 2^-20 shift is taken instead, chosen per head on the device:
+// cholesky_ex reports failures in a tensor, so nothing synchronizes with the host.
+// L_h^T is divided by c_h, the power of two nearest its largest magnitude, so that hi and
+// lo keep their 11 (f16) / 8 (bf16) bits for any weight scale (a near-dead head's 1e-6
+// entries are f16 subnormals); the pass multiplies its sums of squares by c_h^2, the
+// second tensor returned ([H] fp32).
+template <typename T>
+std::pair<at::Tensor, at::Tensor> stats_operands(const at::Tensor& weight_o, const Shape& s) {
+  const int64_t H = s.heads, Dv = s.dv, D = s.d;
+  const at::Tensor wh = weight_o.to(at::kDouble).contiguous().view({D, H, Dv}).permute({1, 0, 2});  // [H, D, Dv]
+  const at::Tensor gram = at::bmm(wh.transpose(1, 2), wh);                                        // [H, Dv, Dv]
+  const at::Tensor scale = gram.diagonal(0, 1, 2).amax(-1).clamp_min(std::numeric_limits<double>::min());
+  const at::Tensor eye = at::eye(Dv, gram.options());
+  auto factor = [&](double shift) {
+    return at::linalg_cholesky_ex(gram + (scale * shift).view({H, 1, 1}) * eye, /*upper=*/false,
+                                  /*check_errors=*/false);
+  };
+  const auto [l_tight, info] = factor(std::ldexp(1.0, -40));
+  const at::Tensor l_loose = std::get<0>(factor(std::ldexp(1.0, -20)));
+  at::Tensor lt = at::where((info == 0).view({H, 1, 1}), l_tight, l_loose).transpose(1, 2);  // L^T
+  const at::Tensor c = at::exp2(at::round(at::log2(lt.abs().amax({1, 2}).clamp_min(1e-30))));  // [H]
+  lt = lt / c.view({H, 1, 1});
+  const at::Tensor hi = lt.to(weight_o.scalar_type());
+  const at::Tensor lo = (lt - hi.to(at::kDouble)).to(weight_o.scalar_type());
+  return {at::cat({hi, lo}, 2).contiguous(), (c * c).to(at::kFloat)};  // [H, Dv, 2 Dv], [H]
+}
+
+// return_stats on tensor cores (16-bit z): z_norm and out_norm [B, Q, H] from the
+// statistics pass (head_merge_fwd_tc_kernel<T, _, true>) and the finalize kernel.
+template <typename T>
+void launch_stats_tc(const at::Tensor& z, const at::Tensor& weight_o, const Gate& gate, const Shape& s,
+                     at::Tensor& z_norm, at::Tensor& out_norm) {
+  TORCH_CHECK_VALUE(s.heads <= 65535, "headwise.head_merge: return_stats on tensor cores takes at most 65535 heads, "
+                    "got H = ", s.heads);
+  const std::pair<at::Tensor, at::Tensor> operands = stats_operands<T>(weight_o, s);
+  const at::Tensor& wcat = operands.first;
+  const at::Tensor& scale2 = operands.second;
+  tc::TcFwdParams p{};
+  p.z = z.data_ptr();
+  p.z_sb = z.stride(0);
+  p.z_sh = 0;  // both pseudo-heads (hi, lo) read Z_hs
+  p.z_sq = z.stride(2);
+  p.w = wcat.data_ptr();
+  p.ldw = 2 * s.dv;
+  p.bias = nullptr;
+  p.gate = Gate{nullptr, 0, 2, false};
+  p.out = nullptr;
+  p.batch = s.batch;
+  p.heads = 2;
+  p.seq = s.seq;
+  p.dv = s.dv;
+  p.d = s.dv;
+  p.q_tiles = (s.seq + tc::kBM - 1) / tc::kBM;
+  p.n_tiles = (s.dv + tc::kBN - 1) / tc::kBN;
+  p.stats_z_sh = z.stride(1);
+  p.stats_w_sh = s.dv * 2 * s.dv;
+  p.stats_heads = s.heads;
+  p.stats_gate = gate;
+  p.stats_scale2 = scale2.data_ptr<float>();
+  at::Tensor part = new_output({p.n_tiles, s.batch, s.seq, s.heads}, z_norm.options());
+  p.zsq = z_norm.data_ptr<float>();
+  p.osq_part = part.data_ptr<float>();
+  const uint64_t es = static_cast<uint64_t>(z.element_size());
+  const int bytes = copy_bytes_for({z_stride_bits(z, s), reinterpret_cast<uintptr_t>(wcat.data_ptr()),
+                                    static_cast<uint64_t>(s.dv) * es, static_cast<uint64_t>(p.ldw) * es});
+  const dim3 grid(static_cast<unsigned>(s.batch * p.q_tiles * p.n_tiles), static_cast<unsigned>(s.heads));
+  const size_t smem = tc::fwd_smem_bytes(2);
+  with_copy_bytes<T>(bytes, [&](auto width) {
+    auto kernel = &tc::head_merge_fwd_tc_kernel<T, decltype(width)::value, true>;
+    hw::allow_dynamic_smem("head_merge", kernel, smem);
+    HW_LAUNCH("head_merge_stats_tc", kernel, grid, dim3(tc::kThreads), smem, p);
+  });
+  const int64_t count = s.rows() * s.heads;
+  auto fin = &head_merge_stats_finalize_kernel;
+  HW_LAUNCH("head_merge_stats_finalize", fin, dim3(cdiv(count, 256)), dim3(256), 0, z_norm.data_ptr<float>(),
+            part.data_ptr<float>(), out_norm.data_ptr<float>(), count, p.n_tiles);
+}
+
 // Launches the tensor-core grad_z (+ c partials) and grad_weight_o kernels (16-bit types).
 template <typename T>
 void launch_bwd_tc(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& w, const Gate& gate, const Shape& s,
@@ -198,15 +285,18 @@ void launch_bwd_tc(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
 //                 layouts are gathered into it first (one copy, eager's concatenation).
 //                 The plain merge has no head to skip and no statistic, so the hand kernel
 //                 could only match cuBLAS (which uses wgmma on sm_90, mma.sync cannot).
-//   kTensorCore   bf16/f16, or fp32 when torch lets matmuls use TF32
+//   kTensorCore   bf16/f16, or fp32 without stats when torch lets matmuls use TF32
 //                 (torch.backends.cuda.matmul.allow_tf32 / float32 matmul precision below
-//                 "highest"), without stats: head_merge_fwd_tc_kernel (merge_tc_kernel.cuh).
-//   kSimt         fp32 in full precision, and every call with stats: head_merge_fwd_kernel.
+//                 "highest"): head_merge_fwd_tc_kernel (merge_tc_kernel.cuh).
+//   kSimt         fp32 in full precision, and fp32 with stats: head_merge_fwd_kernel.
+// bf16/f16 stats come from a second tensor-core pass beside either of the first two paths
+// (launch_stats_tc), never from the SIMT kernel.
 enum class FwdPath { kLibraryGemm, kTensorCore, kSimt };
 
 inline FwdPath fwd_path(bool library_gemm, at::ScalarType dtype, bool allow_tf32, bool gated, bool stats) {
-  if (library_gemm && !gated && !stats) return FwdPath::kLibraryGemm;
-  if (!stats && (dtype != at::kFloat || allow_tf32)) return FwdPath::kTensorCore;
+  const bool half = dtype != at::kFloat;
+  if (library_gemm && !gated && (!stats || half)) return FwdPath::kLibraryGemm;
+  if (half || (!stats && allow_tf32)) return FwdPath::kTensorCore;
   return FwdPath::kSimt;
 }
 
@@ -230,18 +320,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_merge)(
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   const FwdPath path = fwd_path(/*library_gemm=*/!HW_SIM, z.scalar_type(), at::globalContext().allowTF32CuBLAS(),
                                 head_gate.has_value(), return_stats);
-  if (path == FwdPath::kLibraryGemm) {
-    const at::Tensor z2 = z.transpose(1, 2).reshape({s.rows(), s.k()});  // a view when token-major
-    at::Tensor y = out.view({s.rows(), s.d});
-    if (b.defined())
-      at::addmm_out(y, b, z2, w.t());
-    else
-      at::mm_out(y, z2, w.t());
-    return {out, z_norm, out_norm};
-  }
-  if (path == FwdPath::kTensorCore) {
+  if (path != FwdPath::kSimt) {
+    if (path == FwdPath::kLibraryGemm) {
+      const at::Tensor z2 = z.transpose(1, 2).reshape({s.rows(), s.k()});  // a view when token-major
+      at::Tensor y = out.view({s.rows(), s.d});
+      if (b.defined())
+        at::addmm_out(y, b, z2, w.t());
+      else
+        at::mm_out(y, z2, w.t());
+    }
     dispatch_storage_dtype(z.scalar_type(), op, "z", [&](auto tag) {
-      launch_fwd_tc<decltype(tag)>(z, w, b, make_gate(gate32, s, rescale), s, out);
+      using T = decltype(tag);
+      if (path == FwdPath::kTensorCore) launch_fwd_tc<T>(z, w, b, make_gate(gate32, s, rescale), s, out);
+      if constexpr (sizeof(T) == 2)
+        if (return_stats) launch_stats_tc<T>(z, w, make_gate(gate32, s, false), s, z_norm, out_norm);
     });
     return {out, z_norm, out_norm};
   }

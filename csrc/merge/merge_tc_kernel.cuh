@@ -122,6 +122,16 @@ struct TcFwdParams {
   void* out;         // [B, Q, D] contiguous
   int64_t batch, heads, seq, dv, d;
   int64_t q_tiles, n_tiles;
+  // The statistics launch only (Stats = true; see head_merge_fwd_tc_kernel): head
+  // hs = blockIdx.y of the merge advances z by stats_z_sh and w by stats_w_sh; the real
+  // merge's gate (a closed (b, hs) reads nothing and writes zeros) and head count; outputs
+  // zsq [B, Q, H] (sum_k Z[b,hs,q,k]^2, by the n tile 0 CTAs) and osq_part
+  // [n_tiles, B, Q, H] (per column tile, the row's sum of squares of the product).
+  int64_t stats_z_sh, stats_w_sh, stats_heads;
+  Gate stats_gate;
+  const float* stats_scale2;  // [H]: the product's sums of squares are multiplied by it
+  float* zsq;
+  float* osq_part;
 };
 
 // Every accumulator fragment element of the warp tile: acc = 0, or acc *= factor.
@@ -211,10 +221,22 @@ inline size_t fwd_smem_bytes(int64_t heads) {
   return kSmemBytes + static_cast<size_t>((heads * static_cast<int64_t>(sizeof(int)) + 15) / 16 * 16);
 }
 
-// grid (B * ceil(Q / kBM) * ceil(D / kBN)), kThreads threads, kSmemBytes dynamic shared
-// memory: blockIdx.x = (b * q_tiles + q tile) * n_tiles + n tile (the column tiles of one
-// row tile are adjacent, so they share its Z slices in L2).
-template <typename T, int CopyBytes>
+// grid (B * ceil(Q / kBM) * ceil(D / kBN)), kThreads threads, fwd_smem_bytes(H) dynamic
+// shared memory: blockIdx.x = (b * q_tiles + q tile) * n_tiles + n tile (the column tiles of
+// one row tile are adjacent, so they share its Z slices in L2).
+//
+// Stats = true is the statistics pass of return_stats (merge_launch.h launch_stats_tc),
+// the same GEMM on other operands: for each head hs (grid y) the product
+// Z_hs [Q, Dv] @ L_hs [Dv, Dv] with L_hs L_hs^T = W_hs^T W_hs (so that
+// ||Z_hs W_hs^T|| = ||Z_hs L_hs||: a sum of squares, no cancellation), L_hs^T split into
+// two 16-bit parts hi + lo (L^T ~ hi + lo to ~2^-16 relative) that are the two
+// "heads" of w = [hi | lo] ([Dv, 2 Dv], z_sh = 0: both read Z_hs, no gate). The
+// epilogue keeps no product: it writes each row's sum of squares over the CTA's columns
+// (osq_part), and the n tile 0 CTAs also the row's sum of squares of Z_hs, read from the
+// A slices of the first pseudo-head already in shared memory (zsq).
+// Budget at the target shape (ESTIMATE): 2 * B Q H Dv * 2 Dv = 34 GFLOP (6% of the
+// merge's), Z read once more (134 MB), [B, Q, H] floats written.
+template <typename T, int CopyBytes, bool Stats = false>
 __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams p) {
   constexpr int E = kChunkElems<T>;
   constexpr int BK = kBK<T>;
@@ -228,9 +250,21 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
   const int64_t n0 = tile_n * kBN, q0 = tile_q * kBM;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = (warp % kWarpsM) * kWarpM, wn = (warp / kWarpsM) * kWarpN;
-  const T* z = static_cast<const T*>(p.z) + b * p.z_sb + q0 * p.z_sq;
-  const T* w = static_cast<const T*>(p.w) + n0 * p.ldw;
   const int64_t rows_a = p.seq - q0 < kBM ? p.seq - q0 : kBM;
+  const int64_t hs = Stats ? static_cast<int64_t>(blockIdx.y) : 0;
+  // Stats: [B, Q, H] index of this CTA's row 0, and [B, Q, H] elements per column tile.
+  const int64_t stat0 = (b * p.seq + q0) * p.stats_heads + hs, stat_tile = p.batch * p.seq * p.stats_heads;
+  if constexpr (Stats) {
+    if (p.stats_gate.at(b, hs) == 0.f) {  // a closed head: nothing read, both norms 0
+      for (int64_t r = threadIdx.x; r < rows_a; r += kThreads) {
+        if (tile_n == 0) p.zsq[stat0 + r * p.stats_heads] = 0.f;
+        p.osq_part[tile_n * stat_tile + stat0 + r * p.stats_heads] = 0.f;
+      }
+      return;
+    }
+  }
+  const T* z = static_cast<const T*>(p.z) + b * p.z_sb + q0 * p.z_sq + hs * p.stats_z_sh;
+  const T* w = static_cast<const T*>(p.w) + n0 * p.ldw + hs * p.stats_w_sh;
   const int64_t rows_b = p.d - n0 < kBN ? p.d - n0 : kBN;
   const int64_t slices = (p.dv + BK - 1) / BK;  // k slices per head
 
@@ -286,6 +320,10 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
   // by 1 / alpha_cur).
   int64_t comp_rank = -1, comp_slice = slices - 1;
   float alpha_cur = 1.f;
+  // Stats: this thread's share of row zrow's sum of squares of Z (2 of its 4 chunks).
+  static_assert(!Stats || (kThreads == 2 * kBM && kChunks == 4), "two threads per row, two chunks each");
+  const int zrow = threadIdx.x >> 1, zchunk = (threadIdx.x & 1) * 2;
+  float zss = 0.f;
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     if (++comp_slice == slices) {  // the next open head
       comp_slice = 0;
@@ -296,6 +334,19 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
     issue(kt + kStages - 1);
     const unsigned char* at = a_tile(static_cast<int>(kt % kStages));
     const unsigned char* bt = b_tile(static_cast<int>(kt % kStages));
+    if constexpr (Stats) {
+      if (tile_n == 0 && kt < slices) {  // the first pseudo-head's slices are Z_hs itself
+#pragma unroll 1  // rolled: unrolled, the 2-byte-copy variant spills 8 bytes on sm_80
+        for (int c = zchunk; c < zchunk + 2; ++c) {
+          const T* x = reinterpret_cast<const T*>(at + swizzle(zrow, c));
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            const float v = static_cast<float>(x[e]);
+            zss = fmaf(v, v, zss);
+          }
+        }
+      }
+    }
 #pragma unroll
     for (int ks = 0; ks < kChunks / 2; ++ks) {
       uint32_t fa[kMmaM][4], fb[kMmaN][2];
@@ -318,10 +369,41 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
   }
   hw::cp_async_wait<0>();  // only empty groups remain; leave no copy in flight at exit
 
+  const int g = lane >> 2, t = lane & 3;
+  if constexpr (Stats) {
+    // Row sums of squares of acc (alpha is 1: no gate): over the thread's columns, its quad
+    // (the 4 lanes of a row), then the kWarpsN warps of the row in a fixed order, through
+    // the (now idle) operand ring.
+    zss += __shfl_xor_sync(0xffffffffu, zss, 1);
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(smem);  // [kWarpsN][kBM]
+#pragma unroll
+    for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < kMmaN; ++j)
+          ss += acc[i][j][2 * half] * acc[i][j][2 * half] + acc[i][j][2 * half + 1] * acc[i][j][2 * half + 1];
+        ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+        ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+        if (t == 0) red[(warp / kWarpsM) * kBM + wm + i * 16 + g + 8 * half] = ss;
+      }
+    __syncthreads();
+    const float scale2 = p.stats_scale2[hs];
+    for (int r = threadIdx.x; r < rows_a; r += kThreads) {
+      float ss = 0.f;
+#pragma unroll
+      for (int wn_i = 0; wn_i < kWarpsN; ++wn_i) ss += red[wn_i * kBM + r];
+      p.osq_part[tile_n * stat_tile + stat0 + r * p.stats_heads] = ss * scale2;
+    }
+    if (tile_n == 0 && (threadIdx.x & 1) == 0 && zrow < rows_a) p.zsq[stat0 + zrow * p.stats_heads] = zss;
+    return;
+  }
+
   // Epilogue: y = alpha_cur * acc + bias. Accumulator e of mma tile (i, j): row g + 8 (e >> 1),
   // column 2t + (e & 1) of the tile; the two columns of a row are stored as one pair
   // when D is even (4-byte aligned for 16-bit types).
-  const int g = lane >> 2, t = lane & 3;
   const T* bias = static_cast<const T*>(p.bias);
   T* out = static_cast<T*>(p.out) + (b * p.seq + q0) * p.d + n0;
   const bool pairs = p.d % 2 == 0;

@@ -213,6 +213,23 @@ __device__ __forceinline__ void load_stage(const T* src, int64_t stride_n, int n
   }
 }
 
+// The end of a stage at rows [n0, n0 + ROWS): the next stage's rows move into cur, from
+// the registers they were prefetched into (PREFETCH), else by loading them now.
+template <bool PREFETCH, typename T, int VEC, int ITEMS, int ROWS>
+__device__ __forceinline__ void advance_stage(const T* src, int64_t stride_n, int n0, int n_end, int nvec,
+                                              hw::Pack<T, VEC> (&cur)[ROWS][ITEMS],
+                                              const hw::Pack<T, VEC> (&nxt)[ROWS][ITEMS]) {
+  if constexpr (PREFETCH) {
+    MHAR_UNROLL
+    for (int j = 0; j < ROWS; ++j) {
+      MHAR_UNROLL
+      for (int i = 0; i < ITEMS; ++i) cur[j][i] = nxt[j][i];
+    }
+  } else if (n0 + ROWS < n_end) {
+    load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + ROWS, n_end, nvec, cur);
+  }
+}
+
 // Block-wide sums of COUNT values with one __syncthreads per call; the scratch (2 x 32 x
 // COUNT floats) alternates halves by call parity as hw::BlockSum's does.
 template <int COUNT>
@@ -449,15 +466,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
         }
       }
 
-      if (PREFETCH) {
-        MHAR_UNROLL
-        for (int j = 0; j < ROWS; ++j) {
-          MHAR_UNROLL
-          for (int i = 0; i < ITEMS; ++i) cur[j][i] = nxt[j][i];
-        }
-      } else if (n0 + ROWS < num_src) {
-        load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, nvec, cur);
-      }
+      advance_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0, num_src, nvec, cur, nxt);
     }
 
     T* out = static_cast<T*>(p.out) + pos * p.route.d;
@@ -652,15 +661,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
             }
           }
         }
-        if (PREFETCH) {
-          MHAR_UNROLL
-          for (int j = 0; j < ROWS; ++j) {
-            MHAR_UNROLL
-            for (int i = 0; i < ITEMS; ++i) cur[j][i] = nxt[j][i];
-          }
-        } else if (n0 + ROWS < num_src) {
-          load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, nvec, cur);
-        }
+        advance_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0, num_src, nvec, cur, nxt);
       }
       __syncthreads();
 

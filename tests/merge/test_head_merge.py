@@ -586,6 +586,36 @@ def test_tensor_core_forward_matches_reference(tc_backend, b, h, q, dv, d, layou
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("layout", TC_LAYOUTS)
+@pytest.mark.parametrize("b,h,q,dv,d", TC_SHAPES + [pytest.param(2, 2, 37, 136, 50, id="B2-H2-Q37-Dv136-D50")])
+def test_tensor_core_stats_match_reference(tc_backend, b, h, q, dv, d, layout, dtype):
+    """return_stats on tensor cores (the statistics pass): z_norm and out_norm against the
+    fp64 reference, also for D < Dv (a rank-deficient W_h^T W_h), Dv over one 128-column
+    tile, and a near-dead head (W_h scaled by 1e-6) whose out_norm keeps its relative
+    accuracy; closed heads give 0 and their NaN z is never read; asking for stats leaves
+    y as it is."""
+    dev = tc_backend.device
+    z = make_tc_z(b, h, q, dv, layout, dtype, device=dev)
+    w, bias = (t.to(dev) for t in make_params(h, dv, d, dtype=dtype))
+    w_dead = w.clone()
+    w_dead[:, :dv] *= 1e-6
+    row_hard = make_gate("row_hard", b, h).to(dev)
+    z_nan = z.clone()
+    z_nan[row_hard == 0] = float("nan")  # closed (b, h) blocks
+    for ww, zz, gate in [(w, z, None), (w_dead, z, make_gate("soft", b, h).to(dev)), (w, z_nan, row_hard)]:
+        out, st = tc_backend.head_merge(zz, ww, bias, head_gate=gate, rescale=True, return_stats=True)
+        assert torch.equal(out, tc_backend.head_merge(zz, ww, bias, head_gate=gate, rescale=True))
+        want = reference.head_merge_stats(z.double(), ww.double(), head_gate=gate)
+        assert rel_err(st.z_norm, want.z_norm) <= 1e-5
+        assert rel_err(st.out_norm, want.out_norm) <= 1e-4
+        if ww is w_dead:
+            assert rel_err(st.out_norm[..., 0], want.out_norm[..., 0]) <= 1e-4  # the near-dead head itself
+        if gate is row_hard:
+            closed = (row_hard == 0)[:, None, :].expand(b, q, h)
+            assert (st.z_norm[closed] == 0).all() and (st.out_norm[closed] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_tensor_core_forward_skips_closed_heads(tc_backend, dtype):
     """NaN in the closed heads' z (per batch row) does not reach the output: those tiles
     are never loaded."""
