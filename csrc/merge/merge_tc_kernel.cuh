@@ -42,6 +42,7 @@
 
 #include "../common/mma_primitives.cuh"
 #include "../common/simt_portability.h"
+#include "../common/vec.cuh"
 #include "merge_kernel.cuh"
 
 #include <c10/util/BFloat16.h>
@@ -338,10 +339,10 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
       if (tile_n == 0 && kt < slices) {  // the first pseudo-head's slices are Z_hs itself
 #pragma unroll 1  // rolled: unrolled, the 2-byte-copy variant spills 8 bytes on sm_80
         for (int c = zchunk; c < zchunk + 2; ++c) {
-          const T* x = reinterpret_cast<const T*>(at + swizzle(zrow, c));
+          const hw::Pack<T, E> x = hw::load_pack<T, E>(reinterpret_cast<const T*>(at + swizzle(zrow, c)));
 #pragma unroll
           for (int e = 0; e < E; ++e) {
-            const float v = static_cast<float>(x[e]);
+            const float v = static_cast<float>(x.v[e]);
             zss = fmaf(v, v, zss);
           }
         }
