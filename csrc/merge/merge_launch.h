@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <tuple>
@@ -293,6 +294,16 @@ void launch_bwd_tc(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
 // (launch_stats_tc), never from the SIMT kernel.
 enum class FwdPath { kLibraryGemm, kTensorCore, kSimt };
 
+// Whether the library-GEMM paths (forward kLibraryGemm, the ungated backward) are taken:
+// always in the CUDA build; in the emulated build (which otherwise runs the hand kernels
+// only) when HEADWISE_SIM_LIBRARY_GEMM=1, so that the tests check those paths' layouts
+// and in-place writes on the CPU.
+inline bool library_gemm_paths() {
+  if (!HW_SIM) return true;
+  const char* env = std::getenv("HEADWISE_SIM_LIBRARY_GEMM");
+  return env != nullptr && env[0] == '1';
+}
+
 inline FwdPath fwd_path(bool library_gemm, at::ScalarType dtype, bool allow_tf32, bool gated, bool stats) {
   const bool half = dtype != at::kFloat;
   if (library_gemm && !gated && (!stats || half)) return FwdPath::kLibraryGemm;
@@ -318,7 +329,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_merge)(
   const at::Tensor gate32 = gate_as_float(head_gate);
   const at::Tensor w = weight_o;  // rows stride-1 (checked); row stride = ldw
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const FwdPath path = fwd_path(/*library_gemm=*/!HW_SIM, z.scalar_type(), at::globalContext().allowTF32CuBLAS(),
+  const FwdPath path = fwd_path(library_gemm_paths(), z.scalar_type(), at::globalContext().allowTF32CuBLAS(),
                                 head_gate.has_value(), return_stats);
   if (path != FwdPath::kSimt) {
     if (path == FwdPath::kLibraryGemm) {
@@ -393,6 +404,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_m
     grad_w.zero_();
     if (bias_grad) grad_b.zero_();
     if (need_c) grad_gate = at::zeros(head_gate->sizes(), head_gate->options());
+    return {grad_z, grad_w, grad_b, grad_gate};
+  }
+  if (library_gemm_paths() && !head_gate.has_value()) {
+    // Ungated, in the CUDA build: the plain merge's backward is two library GEMMs, which
+    // cuBLAS runs faster than the hand kernels (on the H200 the tensor-core grad_z and
+    // grad_weight_o took 4.6 ms where cuBLAS's two products take ~1.4 ms), and a sum:
+    //   grad_z [B*Q, K] = dy [B*Q, D] @ weight_o, in z's layout: written in place when z is
+    //                     token-major (its [B, Q, H, Dv] view is contiguous), else one copy;
+    //   grad_w [D, K]   = dy^T @ Z2, Z2 = z as [B*Q, K] (a view when token-major, else the
+    //                     forward's gather);
+    //   grad_b [D]      = the column sums of dy (torch's fixed-order reduction).
+    // cuBLAS is deterministic run to run on one GPU model; no atomics are involved.
+    const at::Tensor dy2 = dy.view({s.rows(), s.d});
+    at::Tensor gz_tokens = grad_z.transpose(1, 2);  // [B, Q, H, Dv] view of grad_z's memory
+    if (gz_tokens.is_contiguous()) {
+      at::Tensor gz2 = gz_tokens.view({s.rows(), s.k()});
+      at::mm_out(gz2, dy2, weight_o);
+    } else {
+      gz_tokens.copy_(at::mm(dy2, weight_o).view({s.batch, s.seq, s.heads, s.dv}));
+    }
+    at::mm_out(grad_w, dy2.t(), z.transpose(1, 2).reshape({s.rows(), s.k()}));
+    if (bias_grad) at::sum_out(grad_b, dy2, {0});
     return {grad_z, grad_w, grad_b, grad_gate};
   }
   // bf16/f16: the tensor-core kernels (merge_tc_kernel.cuh); fp32: the SIMT kernels.
