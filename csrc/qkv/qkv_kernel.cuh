@@ -422,21 +422,48 @@ __device__ __forceinline__ void group_sums(float (&v)[N], int lanes) {
   }
 }
 
-// Stages the norm weights in shared memory: norm_w[0] = q_norm, norm_w[1] = k_norm (d
-// floats each, absent weights left unset), one 16-byte load per thread (d / 2 <= 128
-// float4s). The caller's next __syncthreads publishes them.
+// Rows staged in shared memory (norm weights, cos, sin: kMaxWidth floats each) are stored
+// so that a lane reads its V elements as V / 4 16-byte words, the group's lanes at
+// consecutive 16-byte words (conflict-free, the ideal wavefronts): element e sits at
+// staged_index(e); for V = 8 the two halves of the lanes' vectors are two planes of
+// `plane` floats (rows of 2 plane >= the head's elements), for V = 4 the order is
+// natural. Four elements 4j .. 4j + 3 stay contiguous.
+template <int V>
+__device__ __forceinline__ int staged_index(int e, int plane = kMaxWidth / 2) {
+  static_assert(V == 4 || V == 8, "16-byte vectors of 4 or 8 elements");
+  if (V == 8) return ((e >> 2) & 1) * plane + (e >> 3) * 4 + (e & 3);
+  return e;
+}
+
+// The lane's V elements e0 .. e0 + V of a staged row.
+template <int V>
+__device__ __forceinline__ void load_staged(const float* row, int e0, float (&out)[V]) {
+#pragma unroll
+  for (int h = 0; h < V / 4; ++h) {
+    const hw::Pack<float, 4> w = hw::load_pack<float, 4>(row + staged_index<V>(e0 + 4 * h));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[4 * h + j] = w.v[j];
+  }
+}
+
+// Stages the norm weights: norm_w[0] = q_norm, norm_w[1] = k_norm (d elements each,
+// absent weights left unset), one 16-byte load per thread (d / 2 <= 128 float4s). The
+// caller's next __syncthreads publishes them.
+template <int V>
 __device__ __forceinline__ void stage_norm_weights(const Geometry& g, float (*norm_w)[kMaxWidth]) {
   const int64_t n4 = g.d / 4;
   const int64_t i = threadIdx.x;
   const int role = i < n4 ? 0 : 1;
   const float* src = role == 0 ? g.q_norm : g.k_norm;
   const int64_t j = 4 * (i - role * n4);
-  if (i < 2 * n4 && src != nullptr) hw::store_pack<float, 4>(&norm_w[role][j], hw::load_pack<float, 4>(src + j));
+  if (i < 2 * n4 && src != nullptr)
+    hw::store_pack<float, 4>(&norm_w[role][staged_index<V>(j)], hw::load_pack<float, 4>(src + j));
 }
 
-// Stages token (b, t)'s rope row in shared memory: tab[0] = cos, tab[1] = sin (rot floats
-// each): one 16-byte load per thread (rot / 2 <= 128 float4s) where rot is a multiple of
-// 4, else 4-byte loads (2 rot <= 512 floats, up to 4 per thread).
+// Stages token (b, t)'s rope row: tab[0] = cos, tab[1] = sin (rot elements each): one
+// 16-byte load per thread (rot / 2 <= 128 float4s) where rot is a multiple of 4, else
+// 4-byte loads (2 rot <= 512 floats, up to 4 per thread).
+template <int V>
 __device__ __forceinline__ void stage_rope_row(const Geometry& g, int64_t b, int64_t t, float (*tab)[kMaxWidth]) {
   const int64_t row = b * g.rope_batch_stride + t * g.rot;
   const int64_t i = threadIdx.x;
@@ -445,13 +472,19 @@ __device__ __forceinline__ void stage_rope_row(const Geometry& g, int64_t b, int
     const int which = i < n4 ? 0 : 1;
     const float* src = (which == 0 ? g.cos : g.sin) + row;
     const int64_t j = 4 * (i - which * n4);
-    if (i < 2 * n4) hw::store_pack<float, 4>(&tab[which][j], hw::load_pack<float, 4>(src + j));
+    if (i < 2 * n4) hw::store_pack<float, 4>(&tab[which][staged_index<V>(j)], hw::load_pack<float, 4>(src + j));
   } else {
     for (int64_t k = i; k < 2 * g.rot; k += kVecThreads) {
       const int which = k < g.rot ? 0 : 1;
-      tab[which][k - which * g.rot] = (which == 0 ? g.cos : g.sin)[row + k - which * g.rot];
+      const int64_t e = k - which * g.rot;
+      tab[which][staged_index<V>(e)] = (which == 0 ? g.cos : g.sin)[row + e];
     }
   }
+}
+
+// Head h's width, 0 for h >= heads.
+__device__ __forceinline__ int64_t vec_head_width(const Geometry& g, int64_t h, int64_t heads) {
+  return h >= heads ? 0 : (h < g.hq + g.hkv ? g.d : g.dv);
 }
 
 // Head h's place, or an empty head (width 0) for h >= heads.
@@ -473,27 +506,35 @@ __device__ __forceinline__ HeadInfo vec_head(const Geometry& g, int64_t h, int64
 // even); rotate-half partner values come from the caller: other[k] = y[partner(e)]
 // (forward) or (y s)[partner(e)] (backward), partner(e) = e +- rot / 2.
 template <bool BACKWARD, int V>
-__device__ __forceinline__ void vec_rope(bool interleaved, int64_t e0, int64_t rot, const float* c, const float* s,
+__device__ __forceinline__ void vec_rope(bool interleaved, int e0, int rot, const float* ctab, const float* stab,
                                          float (&y)[V], const float (&other)[V]) {
-  if (interleaved) {
+  // The staged cos / sin rows (ctab, stab) are read 4 elements (16 bytes) at a time.
 #pragma unroll
-    for (int k = 0; k < V; k += 2) {
-      if (e0 + k >= rot) continue;
-      const float lo = y[k], hi = y[k + 1];
-      if (BACKWARD) {
-        y[k] = lo * c[k] + hi * s[k + 1];
-        y[k + 1] = hi * c[k + 1] - lo * s[k];
-      } else {
-        y[k] = lo * c[k] - hi * s[k];
-        y[k + 1] = hi * c[k + 1] + lo * s[k + 1];
+  for (int h = 0; h < V / 4; ++h) {
+    const hw::Pack<float, 4> c = hw::load_pack<float, 4>(ctab + staged_index<V>(e0 + 4 * h));
+    const hw::Pack<float, 4> s = hw::load_pack<float, 4>(stab + staged_index<V>(e0 + 4 * h));
+    if (interleaved) {
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        const int k = 4 * h + j;
+        if (e0 + k >= rot) continue;
+        const float lo = y[k], hi = y[k + 1];
+        if (BACKWARD) {
+          y[k] = lo * c.v[j] + hi * s.v[j + 1];
+          y[k + 1] = hi * c.v[j + 1] - lo * s.v[j];
+        } else {
+          y[k] = lo * c.v[j] - hi * s.v[j];
+          y[k + 1] = hi * c.v[j + 1] + lo * s.v[j + 1];
+        }
       }
-    }
-  } else {
+    } else {
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      if (e0 + k >= rot) continue;
-      const float sign = 2 * (e0 + k) < rot ? -1.f : 1.f;
-      y[k] = BACKWARD ? y[k] * c[k] - sign * other[k] : y[k] * c[k] + sign * other[k] * s[k];
+      for (int j = 0; j < 4; ++j) {
+        const int k = 4 * h + j;
+        if (e0 + k >= rot) continue;
+        const float sign = 2 * (e0 + k) < rot ? -1.f : 1.f;
+        y[k] = BACKWARD ? y[k] * c.v[j] - sign * other[k] : y[k] * c.v[j] + sign * other[k] * s.v[j];
+      }
     }
   }
 }
@@ -503,20 +544,20 @@ __device__ __forceinline__ void vec_rope(bool interleaved, int64_t e0, int64_t r
 // else through the group's row in shared memory (`row`, G V floats; two __syncwarp).
 // Uniform over the warp: every lane calls it when the call has rotate-half rope.
 template <int V>
-__device__ __forceinline__ void rope_partners(bool shuffle, int partner_lane, float* row, int64_t e0, int64_t rot,
+__device__ __forceinline__ void rope_partners(bool shuffle, int partner_lane, float* row, int e0, int rot,
                                               const float (&v)[V], float (&other)[V]) {
   if (shuffle) {
 #pragma unroll
     for (int k = 0; k < V; ++k) other[k] = __shfl_sync(hw::kFullWarp, v[k], partner_lane);
     return;
   }
-  const int64_t half = rot / 2;
+  const int half = rot / 2;
 #pragma unroll
   for (int k = 0; k < V; ++k) row[e0 + k] = v[k];
   __syncwarp();
 #pragma unroll
   for (int k = 0; k < V; ++k) {
-    const int64_t e = e0 + k;
+    const int e = e0 + k;
     other[k] = e < rot ? row[e < half ? e + half : e - half] : 0.f;
   }
   __syncwarp();
@@ -528,7 +569,8 @@ __device__ __forceinline__ void rope_partners(bool shuffle, int partner_lane, fl
 // my_row (the group's shared-memory row otherwise).
 #define VEC_ROPE_SETUP                                                                                      \
   const VecLane L = vec_lane(g);                                                                            \
-  const int64_t e0 = static_cast<int64_t>(L.pos) * V;                                                       \
+  const int e0 = L.pos * V;                                                                                 \
+  const int rot = static_cast<int>(g.rot);                                                                  \
   const int64_t heads = g.hq + 2 * g.hkv;                                                                   \
   const int64_t per_iter = static_cast<int64_t>(L.groups) * U;                                              \
   const int64_t iters = (heads + per_iter - 1) / per_iter;                                                  \
@@ -546,7 +588,7 @@ __device__ __forceinline__ void rope_partners(bool shuffle, int partner_lane, fl
 // lane, rotate-half one __shfl_sync away), scales and stores 16 bytes per lane into the
 // head-major output. One __syncthreads per token (the rope row double-buffered).
 template <typename T>
-__global__ void __launch_bounds__(kVecThreads) qkv_epilogue_fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(kVecThreads, 4) qkv_epilogue_fwd_kernel(const FwdParams p) {
   constexpr int V = VecWidth<T>::value;
   constexpr int U = kFwdHeadsPerIter;
   const Geometry& g = p.g;
@@ -554,63 +596,65 @@ __global__ void __launch_bounds__(kVecThreads) qkv_epilogue_fwd_kernel(const Fwd
   __shared__ __align__(16) float table[2][2][kMaxWidth];  // [token parity][cos, sin][rot]
   __shared__ float partner_rows[kVecThreads * V];         // rotate-half, rot / 2 not whole vectors
   VEC_ROPE_SETUP
-  stage_norm_weights(g, norm_w);
+  stage_norm_weights<V>(g, norm_w);
   int parity = 0;
   for (int64_t m = blockIdx.x; m < g.tokens; m += gridDim.x, parity ^= 1) {
     const int64_t b = m / g.seq;
     const int64_t t = m - b * g.seq;
     const T* row = static_cast<const T*>(p.packed) + m * g.rows;
-    if (rope) stage_rope_row(g, b, t, table[parity]);
-    const float* cs = &table[parity][0][e0];
-    const float* sn = &table[parity][1][e0];
+    if (rope) stage_rope_row<V>(g, b, t, table[parity]);
     for (int64_t it = 0; it < iters; ++it) {
+      // Registers: the U packed vectors stay in T until the reduction is done (converted
+      // twice), the heads' places are re-read from the kernel parameters.
       hw::Pack<T, V> raw[U];
-      HeadInfo hi[U];
+      int head[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        hi[u] = vec_head(g, (it * U + u) * L.groups + L.group, heads);
-        if (e0 < hi[u].width) {
-          hw::check_pack_alignment<T, V>(row + hi[u].offset + e0);
-          raw[u] = hw::load_pack<T, V>(row + hi[u].offset + e0);
-        } else {
+        head[u] = static_cast<int>((it * U + u) * L.groups + L.group);
 #pragma unroll
-          for (int k = 0; k < V; ++k) raw[u].v[k] = T(0.f);
+        for (int k = 0; k < V; ++k) raw[u].v[k] = T(0.f);
+        if (e0 < vec_head_width(g, head[u], heads)) {
+          const T* src = row + g.head_offsets[head[u]] + e0;
+          hw::check_pack_alignment<T, V>(src);
+          raw[u] = hw::load_pack<T, V>(src);
         }
       }
       if (it == 0) __syncthreads();  // the rope row (and at the first token the norm weights)
-      float y[U][V], ss[U];
+      float ss[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         ss[u] = 0.f;
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          y[u][k] = static_cast<float>(raw[u].v[k]);
-          ss[u] += y[u][k] * y[u][k];
-        }
+        for (int k = 0; k < V; ++k) ss[u] += static_cast<float>(raw[u].v[k]) * static_cast<float>(raw[u].v[k]);
       }
       group_sums<U>(ss, L.lanes);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const bool active = e0 < hi[u].width;
-        if (hi[u].norm != nullptr && active) {
-          const float r = rsqrtf(ss[u] / static_cast<float>(hi[u].width) + g.eps);
-          const bool rounds = hi[u].role == 0 ? g.q_norm_rounds : g.k_norm_rounds;
-          const float* w = norm_w[hi[u].role] + e0;
+        const HeadInfo hi = vec_head(g, head[u], heads);
+        const bool active = e0 < hi.width;
+        float y[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k) y[k] = static_cast<float>(raw[u].v[k]);
+        if (hi.norm != nullptr && active) {
+          const float r = rsqrtf(ss[u] / static_cast<float>(hi.width) + g.eps);
+          const bool rounds = hi.role == 0 ? g.q_norm_rounds : g.k_norm_rounds;
+          float w[V];
+          load_staged<V>(norm_w[hi.role], e0, w);
 #pragma unroll
           for (int k = 0; k < V; ++k) {
-            y[u][k] = hw::round_to<T>(y[u][k] * r) * w[k];
-            if (rounds) y[u][k] = hw::round_to<T>(y[u][k]);
+            y[k] = hw::round_to<T>(y[k] * r) * w[k];
+            if (rounds) y[k] = hw::round_to<T>(y[k]);
           }
         }
         float other[V] = {};
-        if (half_rope) rope_partners<V>(shuffle_rope, partner, my_row, e0, g.rot, y[u], other);
+        if (half_rope) rope_partners<V>(shuffle_rope, partner, my_row, e0, rot, y, other);
         if (!active) continue;
-        if (rope && hi[u].role != 2 && e0 < g.rot) vec_rope<false, V>(g.interleaved, e0, g.rot, cs, sn, y[u], other);
-        const float scale = hi[u].role == 0 ? g.scale_q : 1.f;
+        if (rope && hi.role != 2 && e0 < rot) vec_rope<false, V>(g.interleaved, e0, rot, table[parity][0], table[parity][1], y, other);
+        const float scale = hi.role == 0 ? g.scale_q : 1.f;
 #pragma unroll
-        for (int k = 0; k < V; ++k) y[u][k] *= scale;
-        T* dst = static_cast<T*>(p.out[hi[u].role]) + ((b * hi[u].heads + hi[u].index) * g.seq + t) * hi[u].width;
-        hw::store_from_float<V>(dst + e0, y[u]);
+        for (int k = 0; k < V; ++k) y[k] *= scale;
+        T* dst = static_cast<T*>(p.out[hi.role]) + ((b * hi.heads + hi.index) * g.seq + t) * hi.width;
+        hw::store_from_float<V>(dst + e0, y);
       }
     }
   }
@@ -626,72 +670,76 @@ __global__ void __launch_bounds__(kVecThreads) qkv_epilogue_fwd_kernel(const Fwd
 // at the end the groups' sums are added in group order through shared memory into the
 // block's partial row [2, d] (then qkv_norm_grad_slices_kernel, twice).
 template <typename T>
-__global__ void __launch_bounds__(kVecThreads) qkv_epilogue_bwd_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(kVecThreads, 4) qkv_epilogue_bwd_kernel(const BwdParams p) {
   constexpr int V = VecWidth<T>::value;
   constexpr int U = kBwdHeadsPerIter;
   const Geometry& g = p.g;
   __shared__ __align__(16) float norm_w[2][kMaxWidth];
   __shared__ __align__(16) float table[2][2][kMaxWidth];
-  // The groups' norm-weight sums [groups][2][d]: groups * d <= kVecThreads * V.
-  __shared__ float group_acc[kVecThreads * 2 * VecWidth<T>::value];
+  // The groups' norm-weight sums [groups][2][G V] in the staged order (plane G V / 2):
+  // groups * G V = kVecThreads * V.
+  __shared__ __align__(16) float group_acc[kVecThreads * 2 * VecWidth<T>::value];
   __shared__ float partner_rows[kVecThreads * V];  // rotate-half, rot / 2 not whole vectors
   VEC_ROPE_SETUP
   float acc[2][V] = {};  // [q_norm / k_norm][element e0 + k]
-  stage_norm_weights(g, norm_w);
+  stage_norm_weights<V>(g, norm_w);
   int parity = 0;
   for (int64_t m = blockIdx.x; m < g.tokens; m += gridDim.x, parity ^= 1) {
     const int64_t b = m / g.seq;
     const int64_t t = m - b * g.seq;
     const T* row = static_cast<const T*>(p.packed) + m * g.rows;
-    if (rope) stage_rope_row(g, b, t, table[parity]);
-    const float* cs = &table[parity][0][e0];
-    const float* sn = &table[parity][1][e0];
+    if (rope) stage_rope_row<V>(g, b, t, table[parity]);
     for (int64_t it = 0; it < iters; ++it) {
+      // Registers: the packed vectors stay in T (converted where used), the heads'
+      // places are re-read from the kernel parameters.
       hw::Pack<T, V> graw[U], yraw[U];
-      HeadInfo hi[U];
+      int head[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        hi[u] = vec_head(g, (it * U + u) * L.groups + L.group, heads);
+        head[u] = static_cast<int>((it * U + u) * L.groups + L.group);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           graw[u].v[k] = T(0.f);
           yraw[u].v[k] = T(0.f);
         }
-        if (e0 < hi[u].width) {
-          const T* src = static_cast<const T*>(p.grad[hi[u].role]) +
-                         ((b * hi[u].heads + hi[u].index) * g.seq + t) * hi[u].width + e0;
+        if (e0 < vec_head_width(g, head[u], heads)) {
+          const HeadInfo hi = head_info(g, head[u]);
+          const T* src = static_cast<const T*>(p.grad[hi.role]) + ((b * hi.heads + hi.index) * g.seq + t) * hi.width + e0;
           hw::check_pack_alignment<T, V>(src);
           graw[u] = hw::load_pack<T, V>(src);
-          if (hi[u].norm != nullptr) {
-            hw::check_pack_alignment<T, V>(row + hi[u].offset + e0);
-            yraw[u] = hw::load_pack<T, V>(row + hi[u].offset + e0);
+          if (hi.norm != nullptr) {
+            hw::check_pack_alignment<T, V>(row + hi.offset + e0);
+            yraw[u] = hw::load_pack<T, V>(row + hi.offset + e0);
           }
         }
       }
       if (it == 0) __syncthreads();  // the rope row (and at the first token the norm weights)
-      float gr[U][V], y[U][V], stat[2 * U];  // stat: sum y^2 and <g w, y> per head
+      float gr[U][V], stat[2 * U];  // stat: sum y^2 and <g w, y> per head
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const bool active = e0 < hi[u].width;
-        const float scale = hi[u].role == 0 ? g.scale_q : 1.f;
-        const bool rot_here = rope && hi[u].role != 2 && e0 < g.rot && active;
-        float ys[V];
+        const HeadInfo hi = vec_head(g, head[u], heads);
+        const bool active = e0 < hi.width;
+        const float scale = hi.role == 0 ? g.scale_q : 1.f;
+        const bool rot_here = rope && hi.role != 2 && e0 < rot && active;
+        float ys[V], sn[V] = {};
+        if (rot_here) load_staged<V>(table[parity][1], e0, sn);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           gr[u][k] = static_cast<float>(graw[u].v[k]) * scale;
-          y[u][k] = static_cast<float>(yraw[u].v[k]);
-          ys[k] = rot_here && e0 + k < g.rot ? gr[u][k] * sn[k] : 0.f;
+          ys[k] = rot_here && e0 + k < rot ? gr[u][k] * sn[k] : 0.f;
         }
         float other[V] = {};
-        if (half_rope) rope_partners<V>(shuffle_rope, partner, my_row, e0, g.rot, ys, other);
-        if (rot_here) vec_rope<true, V>(g.interleaved, e0, g.rot, cs, sn, gr[u], other);
-        const float* w = norm_w[hi[u].role == 1 ? 1 : 0] + e0;
-        const bool normed = hi[u].norm != nullptr && active;
+        if (half_rope) rope_partners<V>(shuffle_rope, partner, my_row, e0, rot, ys, other);
+        if (rot_here) vec_rope<true, V>(g.interleaved, e0, rot, table[parity][0], table[parity][1], gr[u], other);
+        const bool normed = hi.norm != nullptr && active;
+        float w[V] = {};
+        if (normed) load_staged<V>(norm_w[hi.role == 1 ? 1 : 0], e0, w);
         float ss = 0.f, dot = 0.f;
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-          ss += y[u][k] * y[u][k];
-          dot += normed ? gr[u][k] * w[k] * y[u][k] : 0.f;
+          const float y = static_cast<float>(yraw[u].v[k]);
+          ss += y * y;
+          dot += normed ? gr[u][k] * w[k] * y : 0.f;
         }
         stat[2 * u] = ss;
         stat[2 * u + 1] = dot;
@@ -699,40 +747,51 @@ __global__ void __launch_bounds__(kVecThreads) qkv_epilogue_bwd_kernel(const Bwd
       group_sums<2 * U>(stat, L.lanes);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (!(e0 < hi[u].width)) continue;
-        if (hi[u].norm != nullptr) {
-          const float width = static_cast<float>(hi[u].width);
+        const HeadInfo hi = vec_head(g, head[u], heads);
+        if (!(e0 < hi.width)) continue;
+        if (hi.norm != nullptr) {
+          const float width = static_cast<float>(hi.width);
           const float r = rsqrtf(stat[2 * u] / width + g.eps);
           const float kr = r * r * r * stat[2 * u + 1] / width;
-          const bool is_q = hi[u].role == 0;
-          const float* w = norm_w[is_q ? 0 : 1] + e0;
+          const bool is_q = hi.role == 0;
+          float w[V];
+          load_staged<V>(norm_w[is_q ? 0 : 1], e0, w);
 #pragma unroll
           for (int k = 0; k < V; ++k) {
             // (Both accumulators are updated with a select so they stay in registers.)
-            const float da = gr[u][k] * hw::round_to<T>(y[u][k] * r);
+            const float y = static_cast<float>(yraw[u].v[k]);
+            const float da = gr[u][k] * hw::round_to<T>(y * r);
             acc[0][k] += is_q ? da : 0.f;
             acc[1][k] += is_q ? 0.f : da;
-            gr[u][k] = r * (gr[u][k] * w[k]) - kr * y[u][k];
+            gr[u][k] = r * (gr[u][k] * w[k]) - kr * y;
           }
         }
-        hw::store_from_float<V>(static_cast<T*>(p.grad_packed) + m * g.rows + hi[u].offset + e0, gr[u]);
+        hw::store_from_float<V>(static_cast<T*>(p.grad_packed) + m * g.rows + hi.offset + e0, gr[u]);
       }
     }
   }
   // The block's partial row [2, d]: the groups' sums added in group order.
   if (g.q_norm == nullptr && g.k_norm == nullptr) return;  // uniform
-  if (e0 < g.d) {
+  const int row_len = L.lanes * V;
+  const int plane = row_len / 2;
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
+  for (int n = 0; n < 2; ++n) {
+    float* dst = group_acc + (L.group * 2 + n) * row_len;
 #pragma unroll
-      for (int k = 0; k < V; ++k) group_acc[(L.group * 2 + n) * g.d + e0 + k] = acc[n][k];
+    for (int h = 0; h < V / 4; ++h) {
+      hw::Pack<float, 4> w;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w.v[j] = acc[n][4 * h + j];
+      hw::store_pack<float, 4>(dst + staged_index<V>(e0 + 4 * h, plane), w);
     }
   }
   __syncthreads();
   float* part = p.partial + static_cast<int64_t>(blockIdx.x) * 2 * g.d;
   for (int64_t j = threadIdx.x; j < 2 * g.d; j += kVecThreads) {
+    const int n = j < g.d ? 0 : 1;
+    const int at = n * row_len + staged_index<V>(static_cast<int>(j - n * g.d), plane);
     float s = 0.f;
-    for (int grp = 0; grp < L.groups; ++grp) s += group_acc[grp * 2 * g.d + j];
+    for (int grp = 0; grp < L.groups; ++grp) s += group_acc[grp * 2 * row_len + at];
     part[j] = s;
   }
 }
@@ -749,8 +808,8 @@ __global__ void __launch_bounds__(kVecThreads) qkv_epilogue_bwd_kernel(const Bwd
 //   level 2: the same kernel on the slices with one slice (grid (ceil(cols / 32), 1)):
 //     each of its ceil(cols / 32) CTAs sums 64 rows on 8 warps -> [cols].
 // The order depends only on count and these constants, never on the device: the same
-// bits on every GPU, no atomics. Traffic: count * cols * 4 bytes read once (1 MiB at
-// d = 128 and 1024 rows), spread over (cols / 32) * 64 CTAs, then 64 KiB over cols / 32.
+// bits on every GPU, no atomics. Traffic: count * cols * 4 bytes read once (0.5 MiB at
+// d = 128 and 528 rows), spread over (cols / 32) * 64 CTAs, then 64 KiB over cols / 32.
 // ---------------------------------------------------------------------------
 constexpr int kReduceWarps = 8;
 constexpr int kReduceSlices = 64;

@@ -29,10 +29,11 @@ using hw::on_backend_device;
 
 // Forward grid cap (blocks loop over tokens beyond it), and the fixed persistent grids
 // of the backward (so that the norm-weight reduction order does not depend on the
-// device): 1024 blocks of 128 threads on the 16-byte path (7.8 per SM on a 132-SM H200,
-// 31 warps, all resident at <= 64 registers), 512 of 4 warps on the scalar fallback.
+// device): 528 blocks of 128 threads on the 16-byte path (4 per SM on a 132-SM H200, all
+// resident at the kernel's __launch_bounds__(128, 4)), 512 of 4 warps on the scalar
+// fallback.
 constexpr int64_t kMaxGrid = (int64_t{1} << 31) - 1;
-constexpr int64_t kBwdVecBlocks = 1024;
+constexpr int64_t kBwdVecBlocks = 528;
 constexpr int64_t kBwdScalarBlocks = 512;
 
 // The widest head the call writes (v heads only when there are kv heads: q_project
@@ -171,7 +172,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_ENTRY(project)
     dispatch_storage_dtype(x.scalar_type(), op, "x", [&](auto tag) {
       using T = decltype(tag);
       if (lanes > 0) {
-        HW_LAUNCH("qkv_epilogue_fwd", &qkv_epilogue_fwd_kernel<T>, grid, dim3(kVecThreads), 0, p);
+        auto kernel = &qkv_epilogue_fwd_kernel<T>;
+        HW_LAUNCH("qkv_epilogue_fwd", kernel, grid, dim3(kVecThreads), 0, p);
         return;
       }
       dispatch_items(s, [&](auto items) {
@@ -224,7 +226,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_EN
     dispatch_storage_dtype(x.scalar_type(), op, "x", [&](auto tag) {
       using T = decltype(tag);
       if (lanes > 0) {
-        HW_LAUNCH("qkv_epilogue_bwd", &qkv_epilogue_bwd_kernel<T>, grid, dim3(kVecThreads), 0, p);
+        auto kernel = &qkv_epilogue_bwd_kernel<T>;
+        HW_LAUNCH("qkv_epilogue_bwd", kernel, grid, dim3(kVecThreads), 0, p);
         return;
       }
       dispatch_items(s, [&](auto items) {

@@ -370,7 +370,7 @@ OPS: dict[str, OpSpec] = {
         run=_mhar_run, min_bytes=_mhar_bytes, flops=_mhar_flops),
     "qkv": OpSpec(
         "qkv_project",
-        # B*S >= 1024: the backward's grid is min(B*S, 1024) CTAs (kBwdVecBlocks). D does
+        # B*S >= 528: the backward's grid is min(B*S, 528) CTAs (kBwdVecBlocks). D does
         # not enter the kernels (the GEMMs are cuBLAS), so it is small here.
         shapes=[dict(B=1, S=S, D=64, Hq=32, Hkv=32, dh=128) for S in (1024, 2048)],
         target=dict(B=4, S=4096, D=4096, Hq=32, Hkv=32, dh=128),
