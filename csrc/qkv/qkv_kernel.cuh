@@ -45,15 +45,19 @@
 // shuffle sums over the group (fixed order). Interleaved rope pairs sit in one vector;
 // rotate-half partners, R/2 = P V elements apart, are one __shfl_sync from the lane P
 // away (R/2 a multiple of V, every full-width rope), else read from the group's row
-// staged in shared memory (partial rotary with R/2 not whole vectors). A 128-thread block takes tokens in turn; its kVecThreads / G groups split the
-// token's heads, U heads per group per iteration (U = 4 forward, 2 backward), and every
-// global load of an iteration (U packed / gradient vectors; at the token's first
-// iteration also its rope table row and, once per block, the norm weights, both staged
-// in shared memory) is issued before the iteration's first shuffle reduction.
+// staged in shared memory (partial rotary with R/2 not whole vectors). A 128-thread
+// block takes tokens in turn; its kVecThreads / G groups split the token's heads, U heads
+// per group per iteration (U = 4 forward, 2 backward), and every global load of an
+// iteration (U packed / gradient vectors; at the token's first iteration also its rope
+// table row and, once per block, the norm weights, both staged in shared memory) is
+// issued before the iteration's first shuffle reduction. Bytes in flight per block and
+// iteration (128-wide bf16 heads): 8 groups x U heads x 256 B = 8 KiB forward, 8 x 2 x
+// 512 B = 8 KiB backward; __launch_bounds__(128, 4) keeps 4 blocks per SM resident
+// (<= 128 registers), 32 KiB per SM against the ~25 KiB HBM needs.
 //
 // Scalar fallback (qkv_epilogue_{fwd,bwd}_scalar_kernel): misaligned views, widths that
-// are not whole vectors, partner layouts the 16-byte path cannot reach (R/2 not a
-// multiple of V; fp32 heads over 128). A warp handles one (token, head) at a time. Lane
+// are not whole vectors, heads over 32 vectors (fp32 heads over 128). The path does not
+// depend on the rope, so a call with and without it sums its norm statistics alike. A warp handles one (token, head) at a time. Lane
 // l owns the element pairs (p, p + half) for p = l + 32 i < half, half = ceil(w / 2), so
 // the rotate-half partners of a full-width rotate-half rope sit in one thread's
 // registers; ITEMS = ceil(half / 32) <= 4, i.e. widths up to 256. The other rotary forms
@@ -585,8 +589,10 @@ __device__ __forceinline__ void rope_partners(bool shuffle, int partner_lane, fl
 // L2-resident for shared tables), writes N_total T; ~6 FLOPs per element. Design: a
 // block per token in turn (grid = tokens); each group loads U heads' vectors (16 bytes
 // per lane), then normalizes (one group xor-sum for U heads), rotates (interleaved in the
-// lane, rotate-half one __shfl_sync away), scales and stores 16 bytes per lane into the
-// head-major output. One __syncthreads per token (the rope row double-buffered).
+// lane, rotate-half one __shfl_sync away or through shared memory), scales and stores 16
+// bytes per lane into the head-major output. One __syncthreads per token (the rope row
+// double-buffered by token parity: token n + 1 writes the buffer token n - 1 read, which
+// every thread finished before token n's barrier).
 template <typename T>
 __global__ void __launch_bounds__(kVecThreads, 4) qkv_epilogue_fwd_kernel(const FwdParams p) {
   constexpr int V = VecWidth<T>::value;
