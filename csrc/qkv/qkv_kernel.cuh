@@ -819,6 +819,7 @@ __global__ void __launch_bounds__(kVecThreads, 4) qkv_epilogue_bwd_kernel(const 
 // ---------------------------------------------------------------------------
 constexpr int kReduceWarps = 8;
 constexpr int kReduceSlices = 64;
+constexpr int kReduceLoads = 8;
 
 // Block (blockIdx.x, blockIdx.y) of either level: slice blockIdx.y of gridDim.y.
 __device__ __forceinline__ void norm_grad_slice(const float* partial, int64_t count, int64_t cols, float* slices) {
@@ -829,10 +830,20 @@ __device__ __forceinline__ void norm_grad_slice(const float* partial, int64_t co
   const int64_t per = (count + gridDim.y - 1) / gridDim.y;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * per;
   const int64_t r1 = r0 + per < count ? r0 + per : count;
+  // The warp's rows r0 + warp + kReduceWarps i, kReduceLoads loads in flight at a time,
+  // summed in row order.
   float sum = 0.f;
   if (j < cols) {
-#pragma unroll 4
-    for (int64_t r = r0 + warp; r < r1; r += kReduceWarps) sum += partial[r * cols + j];
+    for (int64_t r = r0 + warp; r < r1; r += kReduceLoads * kReduceWarps) {
+      float v[kReduceLoads];
+#pragma unroll
+      for (int i = 0; i < kReduceLoads; ++i) {
+        const int64_t ri = r + i * kReduceWarps;
+        v[i] = ri < r1 ? partial[ri * cols + j] : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < kReduceLoads; ++i) sum += v[i];
+    }
   }
   warp_sums[warp][lane] = sum;
   __syncthreads();
