@@ -143,6 +143,40 @@ __device__ __forceinline__ void rope_staged_apply(const Geometry& g, float* st, 
   __syncwarp();
 }
 
+// The forward rope through the staging row, with the lane's table entries preloaded:
+// (ca, sa) at elements q, (cc, sc) at q + half (see qkv_epilogue_fwd_scalar_kernel).
+template <int ITEMS>
+__device__ __forceinline__ void rope_staged_apply_fwd(const Geometry& g, float* st, const float (&ca)[ITEMS],
+                                                      const float (&sa)[ITEMS], const float (&cc)[ITEMS],
+                                                      const float (&sc)[ITEMS], int64_t width, int64_t half,
+                                                      float (&a)[ITEMS], float (&c)[ITEMS]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int64_t q = lane + 32 * i;
+    if (q < half) {
+      st[q] = a[i];
+      if (q + half < width) st[q + half] = c[i];
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int64_t q = lane + 32 * i;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t j = q + e * half;
+      if (q < half && j < g.rot) {
+        float sign;
+        const int64_t k = rope_partner(g, j, sign);
+        const float v = st[j] * (e == 0 ? ca[i] : cc[i]) + sign * st[k] * (e == 0 ? sa[i] : sc[i]);
+        if (e == 0) a[i] = v; else c[i] = v;
+      }
+    }
+  }
+  __syncwarp();
+}
+
 struct FwdParams {
   Geometry g;
   const void* packed;  // [tokens, rows] contiguous, storage dtype
@@ -237,11 +271,32 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_fwd_scalar_k
     for (int64_t h = warp; h < heads; h += kWarpsPerBlock) {
       const HeadInfo hi = head_info(g, h);
       const int64_t half = (hi.width + 1) / 2;
+      const bool rotate = g.cos != nullptr && hi.role != 2;
+      // Every load of the head before the norm's reduction: the lane's table entries
+      // (cos / sin at elements q: ca, sa; q + half: cc, sc; where they rotate), the
+      // packed row, the norm weight.
+      float ca[ITEMS] = {}, sa[ITEMS] = {}, cc[ITEMS] = {}, sc[ITEMS] = {};
+      if (rotate) {
+        const float* cs = g.cos + rope_row;
+        const float* sn = g.sin + rope_row;
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+          const int64_t q = lane + 32 * i;
+          if (q < half && q < g.rot) {
+            ca[i] = cs[q];
+            sa[i] = sn[q];
+          }
+          if (q < half && q + half < g.rot) {
+            cc[i] = cs[q + half];
+            sc[i] = sn[q + half];
+          }
+        }
+      }
       float a[ITEMS], c[ITEMS];
       load_pairs<T, ITEMS>(row, hi, half, a, c);
+      float wa[ITEMS] = {}, wc[ITEMS] = {};
+      if (hi.norm != nullptr) load_norm_pairs(hi.norm, hi.width, half, wa, wc);
       if (hi.norm != nullptr) {
-        float wa[ITEMS], wc[ITEMS];
-        load_norm_pairs(hi.norm, hi.width, half, wa, wc);
         const float r = rms_scale(a, c, hi.width, g.eps);
         const bool rounds = hi.role == 0 ? g.q_norm_rounds : g.k_norm_rounds;
 #pragma unroll
@@ -259,19 +314,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_fwd_scalar_k
       }
       const float scale = hi.role == 0 ? g.scale_q : 1.f;
       T* dst = static_cast<T*>(p.out[hi.role]) + ((b * hi.heads + hi.index) * g.seq + t) * hi.width;
-      const bool rotate = g.cos != nullptr && hi.role != 2;
       const bool staged = STAGED_ROPE && rotate;
-      const float* cs = rotate ? g.cos + rope_row : nullptr;
-      const float* sn = rotate ? g.sin + rope_row : nullptr;
-      if (staged) rope_staged_apply<false, ITEMS>(g, stage[warp], cs, sn, hi.width, half, a, c);
+      if (staged) rope_staged_apply_fwd<ITEMS>(g, stage[warp], ca, sa, cc, sc, hi.width, half, a, c);
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
         const int64_t q = lane + 32 * i;
         if (q >= half) continue;
         float lo = a[i], hi_v = c[i];
         if (rotate && !staged) {  // full-width rotate-half: the partners are (q, q + half)
-          lo = a[i] * cs[q] - c[i] * sn[q];
-          hi_v = c[i] * cs[q + half] + a[i] * sn[q + half];
+          lo = a[i] * ca[i] - c[i] * sa[i];
+          hi_v = c[i] * cc[i] + a[i] * sc[i];
         }
         dst[q] = static_cast<T>(lo * scale);
         if (q + half < hi.width) dst[q + half] = static_cast<T>(hi_v * scale);
