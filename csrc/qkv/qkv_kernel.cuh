@@ -745,7 +745,8 @@ __global__ void __launch_bounds__(kVecThreads, 4) qkv_epilogue_bwd_kernel(const 
   for (int64_t m = blockIdx.x; m < g.tokens; m += gridDim.x, parity ^= 1) {
     const int64_t b = m / g.seq;
     const int64_t t = m - b * g.seq;
-    const T* row = static_cast<const T*>(p.packed) + m * g.rows;
+    // The packed row (read with a norm only; p.packed is null without one).
+    const T* row = p.packed != nullptr ? static_cast<const T*>(p.packed) + m * g.rows : nullptr;
     if (rope) stage_rope_row<V>(g, b, t, table[parity]);
     for (int64_t it = 0; it < iters; ++it) {
       // Registers: the packed vectors stay in T (converted where used), the heads'
