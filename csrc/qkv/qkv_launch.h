@@ -27,10 +27,14 @@ namespace {
 using hw::kBackendDevice;
 using hw::on_backend_device;
 
-// Forward grid cap (blocks loop over tokens beyond it), and the fixed persistent grid of
-// the backward (so that the norm-weight reduction order does not depend on the device).
+// Forward grid cap (blocks loop over tokens beyond it), and the fixed persistent grids
+// of the backward (so that the norm-weight reduction order does not depend on the
+// device): 528 blocks of 128 threads on the 16-byte path (4 per SM on a 132-SM H200, all
+// resident at the kernel's __launch_bounds__(128, 4)), 512 of 4 warps on the scalar
+// fallback.
 constexpr int64_t kMaxGrid = (int64_t{1} << 31) - 1;
-constexpr int64_t kBwdBlocks = 512;
+constexpr int64_t kBwdVecBlocks = 528;
+constexpr int64_t kBwdScalarBlocks = 512;
 
 // The widest head the call writes (v heads only when there are kv heads: q_project
 // has none).
@@ -71,8 +75,37 @@ inline void check_backend(const at::Tensor& x, const Shape& s, const char* op) {
                     " rows; the CUDA kernels take at most 2^31 - 1");
 }
 
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// A small parameter as a contiguous fp32 tensor whose data is 16-byte aligned (the
+// 16-byte path stages it with float4 loads; a view at an odd offset is copied).
 inline at::Tensor small(const c10::optional<at::Tensor>& t) {
-  return t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor();
+  if (!t.has_value()) return at::Tensor();
+  at::Tensor f = t->to(at::kFloat).contiguous();
+  return aligned16(f.data_ptr()) ? f : f.clone();
+}
+
+inline int64_t pow2_ceil(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+// Lanes per head of the 16-byte path for this call, or 0 where the call takes the scalar
+// fallback: every head whole 16-byte vectors at 16-byte aligned addresses (head widths,
+// head offsets and N_total multiples of V = 16 / sizeof(T); `tensors` aligned) and at
+// most 32 vectors per head. The choice does not depend on the rope (every form runs on
+// both paths), so a call with and without rope sums its norm statistics in one order.
+inline int vector_group_lanes(const Shape& s, at::IntArrayRef head_offsets, int64_t elem_size,
+                              std::initializer_list<const void*> tensors) {
+  const int64_t v = 16 / elem_size;
+  if (s.d % v != 0 || (s.hkv > 0 && s.dv % v != 0) || s.rows % v != 0) return 0;
+  for (const int64_t off : head_offsets)
+    if (off % v != 0) return 0;
+  if (widest_head(s) / v > 32) return 0;
+  for (const void* p : tensors)
+    if (!aligned16(p)) return 0;
+  return static_cast<int>(pow2_ceil(widest_head(s) / v));
 }
 
 inline const float* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
@@ -82,7 +115,7 @@ inline const float* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.da
 inline Geometry make_geometry(const Shape& s, at::IntArrayRef head_offsets, const at::Tensor& x,
                               const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                               const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-                              double norm_eps, double scale_q,
+                              double norm_eps, double scale_q, int group_lanes,
                               std::vector<at::Tensor>& keep) {
   keep = {small(q_norm), small(k_norm), small(cos), small(sin)};
   Geometry g{};
@@ -105,6 +138,7 @@ inline Geometry make_geometry(const Shape& s, at::IntArrayRef head_offsets, cons
   g.hkv = s.hkv;
   g.d = s.d;
   g.dv = s.dv;
+  g.group_lanes = group_lanes;
   return g;
 }
 
@@ -126,19 +160,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_ENTRY(project)
   const at::Tensor packed = packed_product(x, weight, bias, s);
   if (s.tokens() > 0) {
     std::vector<at::Tensor> keep;
+    const int lanes = vector_group_lanes(s, head_offsets, x.element_size(),
+                                         {packed.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr()});
     FwdParams p{};
-    p.g = make_geometry(s, head_offsets, x, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
+    p.g = make_geometry(s, head_offsets, x, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, lanes, keep);
     p.packed = packed.data_ptr();
     p.out[0] = q.data_ptr();
     p.out[1] = k.data_ptr();
     p.out[2] = v.data_ptr();
+    const dim3 grid(static_cast<unsigned>(std::min(s.tokens(), kMaxGrid)));
     dispatch_storage_dtype(x.scalar_type(), op, "x", [&](auto tag) {
       using T = decltype(tag);
+      if (lanes > 0) {
+        auto kernel = &qkv_epilogue_fwd_kernel<T>;
+        HW_LAUNCH("qkv_epilogue_fwd", kernel, grid, dim3(kVecThreads), 0, p);
+        return;
+      }
       dispatch_items(s, [&](auto items) {
         dispatch_rope(s, [&](auto staged) {
-          auto kernel = &qkv_epilogue_fwd_kernel<T, decltype(items)::value, decltype(staged)::value>;
-          HW_LAUNCH("qkv_epilogue_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.tokens(), kMaxGrid))),
-                    dim3(kWarpsPerBlock * 32), 0, p);
+          auto kernel = &qkv_epilogue_fwd_scalar_kernel<T, decltype(items)::value, decltype(staged)::value>;
+          HW_LAUNCH("qkv_epilogue_fwd_scalar", kernel, grid, dim3(kWarpsPerBlock * 32), 0, p);
         });
       });
     });
@@ -165,37 +206,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_QKV_EN
   at::Tensor G = new_output({s.tokens(), s.rows}, x.options());
   at::Tensor norm_sum = at::zeros({2, s.d}, x.options().dtype(at::kFloat));
   if (s.tokens() > 0) {
-    const int64_t blocks = std::min(s.tokens(), kBwdBlocks);
-    at::Tensor partial = new_output({blocks * kWarpsPerBlock, 2, s.d}, x.options().dtype(at::kFloat));
+    const int lanes = vector_group_lanes(
+        s, head_offsets, x.element_size(),
+        {gq.data_ptr(), gk.data_ptr(), gv.data_ptr(), G.data_ptr(), s.any_norm() ? pk.data_ptr() : nullptr});
+    const int64_t blocks = std::min(s.tokens(), lanes > 0 ? kBwdVecBlocks : kBwdScalarBlocks);
+    // One partial row per block (16-byte path) or per warp (scalar fallback).
+    const int64_t partial_rows = lanes > 0 ? blocks : blocks * kWarpsPerBlock;
+    at::Tensor partial = new_output({partial_rows, 2, s.d}, x.options().dtype(at::kFloat));
     std::vector<at::Tensor> keep;
     BwdParams p{};
-    p.g = make_geometry(s, head_offsets, x, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, keep);
+    p.g = make_geometry(s, head_offsets, x, q_norm, k_norm, rope_cos, rope_sin, norm_eps, scale_q, lanes, keep);
     p.packed = s.any_norm() ? pk.data_ptr() : nullptr;
     p.grad[0] = gq.data_ptr();
     p.grad[1] = gk.data_ptr();
     p.grad[2] = gv.data_ptr();
     p.grad_packed = G.data_ptr();
     p.partial = partial.data_ptr<float>();
+    const dim3 grid(static_cast<unsigned>(blocks));
     dispatch_storage_dtype(x.scalar_type(), op, "x", [&](auto tag) {
       using T = decltype(tag);
+      if (lanes > 0) {
+        auto kernel = &qkv_epilogue_bwd_kernel<T>;
+        HW_LAUNCH("qkv_epilogue_bwd", kernel, grid, dim3(kVecThreads), 0, p);
+        return;
+      }
       dispatch_items(s, [&](auto items) {
         dispatch_rope(s, [&](auto staged) {
-          auto kernel = &qkv_epilogue_bwd_kernel<T, decltype(items)::value, decltype(staged)::value>;
-          HW_LAUNCH("qkv_epilogue_bwd", kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarpsPerBlock * 32),
-                    0, p);
+          auto kernel = &qkv_epilogue_bwd_scalar_kernel<T, decltype(items)::value, decltype(staged)::value>;
+          HW_LAUNCH("qkv_epilogue_bwd_scalar", kernel, grid, dim3(kWarpsPerBlock * 32), 0, p);
         });
       });
     });
     if (s.any_norm()) {
-      // The fixed-order two-level tree of qkv_kernel.cuh: partial -> slices -> norm_sum.
+      // The fixed-order tree of qkv_kernel.cuh: partial -> slices -> norm_sum.
       const int64_t cols = 2 * s.d;
+      const unsigned col_blocks = static_cast<unsigned>((cols + 31) / 32);
       at::Tensor slices = new_output({kReduceSlices, cols}, x.options().dtype(at::kFloat));
-      auto level1 = &qkv_norm_grad_slices_kernel;
-      HW_LAUNCH("qkv_norm_grad_slices", level1, dim3(static_cast<unsigned>((cols + 31) / 32), kReduceSlices),
-                dim3(kReduceWarps * 32), 0, partial.data_ptr<float>(), blocks * kWarpsPerBlock, cols,
-                slices.data_ptr<float>());
-      auto level2 = &qkv_norm_grad_reduce_kernel;
-      HW_LAUNCH("qkv_norm_grad_reduce", level2, dim3(static_cast<unsigned>((cols + 255) / 256)), dim3(256), 0,
+      auto reduce = &qkv_norm_grad_slices_kernel;
+      HW_LAUNCH("qkv_norm_grad_slices", reduce, dim3(col_blocks, kReduceSlices), dim3(kReduceWarps * 32), 0,
+                partial.data_ptr<float>(), partial_rows, cols, slices.data_ptr<float>());
+      auto final_level = &qkv_norm_grad_final_kernel;
+      HW_LAUNCH("qkv_norm_grad_final", final_level, dim3(col_blocks, 1), dim3(kReduceWarps * 32), 0,
                 slices.data_ptr<float>(), int64_t{kReduceSlices}, cols, norm_sum.data_ptr<float>());
     }
   }

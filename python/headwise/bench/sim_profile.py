@@ -370,9 +370,9 @@ OPS: dict[str, OpSpec] = {
         run=_mhar_run, min_bytes=_mhar_bytes, flops=_mhar_flops),
     "qkv": OpSpec(
         "qkv_project",
-        # B*S >= 512: the backward's grid is min(B*S, 512) CTAs (kBwdBlocks). D does not
-        # enter the kernels (the GEMMs are cuBLAS), so it is small here.
-        shapes=[dict(B=1, S=S, D=64, Hq=32, Hkv=32, dh=128) for S in (512, 1024)],
+        # B*S >= 528: the backward's grid is min(B*S, 528) CTAs (kBwdVecBlocks). D does
+        # not enter the kernels (the GEMMs are cuBLAS), so it is small here.
+        shapes=[dict(B=1, S=S, D=64, Hq=32, Hkv=32, dh=128) for S in (1024, 2048)],
         target=dict(B=4, S=4096, D=4096, Hq=32, Hkv=32, dh=128),
         basis=lambda s: [1.0, s["B"] * s["S"]],
         run=_qkv_run, min_bytes=_qkv_bytes, flops=_qkv_flops, gemm=_qkv_gemm),
