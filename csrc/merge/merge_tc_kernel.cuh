@@ -402,39 +402,60 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
     return;
   }
 
-  // Epilogue: y = alpha_cur * acc + bias. Accumulator e of mma tile (i, j): row g + 8 (e >> 1),
-  // column 2t + (e & 1) of the tile; the two columns of a row are stored as one pair
-  // when D is even (4-byte aligned for 16-bit types).
+  // Epilogue: y = alpha_cur * acc + bias, written through shared memory so that each row
+  // of the tile leaves in 16-byte stores (a warp writes 512 contiguous bytes). The two
+  // warp rows (kWarpsM = 2, 64 rows each) take turns: warp row `part` puts its
+  // accumulators (+ bias, rounded to T) into a [64][kBN + 8] staging tile in the idle
+  // operand ring (17 KiB bf16, 34 KiB fp32; the 8-element pad keeps the fragment writes
+  // conflict-free), then all threads copy those rows out: 16-byte stores where D's rows
+  // are 16-byte aligned and the chunk is inside D, else element stores. Accumulator e of
+  // mma tile (i, j) is row g + 8 (e >> 1), column 2t + (e & 1) of the tile.
+  constexpr int kLdo = kBN + 8;            // staging row, elements
+  constexpr int kOutChunks = kBN / E;      // 16-byte chunks per tile row
+  static_assert(static_cast<size_t>(kWarpM) * kLdo * sizeof(T) <= kSmemBytes, "a warp row's tile fits the ring");
   const T* bias = static_cast<const T*>(p.bias);
   T* out = static_cast<T*>(p.out) + (b * p.seq + q0) * p.d + n0;
-  const bool pairs = p.d % 2 == 0;
+  const bool vec_out = (p.d * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
+  T* stage_tile = reinterpret_cast<T*>(smem);
+  float bias_v[kMmaN][2];
 #pragma unroll
   for (int j = 0; j < kMmaN; ++j) {
     const int col = wn + j * 8 + 2 * t;
-    float bias0 = 0.f, bias1 = 0.f;
-    if (bias != nullptr) {
-      if (col < rows_b) bias0 = static_cast<float>(bias[n0 + col]);
-      if (col + 1 < rows_b) bias1 = static_cast<float>(bias[n0 + col + 1]);
+    bias_v[j][0] = bias != nullptr && col < rows_b ? static_cast<float>(bias[n0 + col]) : 0.f;
+    bias_v[j][1] = bias != nullptr && col + 1 < rows_b ? static_cast<float>(bias[n0 + col + 1]) : 0.f;
+  }
+#pragma unroll 1
+  for (int part = 0; part < kWarpsM; ++part) {
+    __syncthreads();  // the ring (or the previous part's tile) is no longer read
+    if (wm == part * kWarpM) {
+#pragma unroll
+      for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int j = 0; j < kMmaN; ++j) {
+            struct alignas(2 * sizeof(T)) Pair {
+              T x, y;
+            };
+            *reinterpret_cast<Pair*>(stage_tile + (i * 16 + g + 8 * half) * kLdo + wn + j * 8 + 2 * t) =
+                Pair{static_cast<T>(fmaf(alpha_cur, acc[i][j][2 * half], bias_v[j][0])),
+                     static_cast<T>(fmaf(alpha_cur, acc[i][j][2 * half + 1], bias_v[j][1]))};
+          }
     }
-#pragma unroll
-    for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = wm + i * 16 + g + 8 * half;
-        if (row >= rows_a) continue;
-        const T v0 = static_cast<T>(fmaf(alpha_cur, acc[i][j][2 * half], bias0));
-        const T v1 = static_cast<T>(fmaf(alpha_cur, acc[i][j][2 * half + 1], bias1));
-        T* o = out + row * p.d + col;
-        if (pairs && col + 1 < rows_b) {
-          struct alignas(2 * sizeof(T)) Pair {
-            T x, y;
-          };
-          *reinterpret_cast<Pair*>(o) = Pair{v0, v1};
-        } else {
-          if (col < rows_b) o[0] = v0;
-          if (col + 1 < rows_b) o[1] = v1;
-        }
+    __syncthreads();
+    for (int id = threadIdx.x; id < kWarpM * kOutChunks; id += kThreads) {
+      const int r = id / kOutChunks, c0 = (id % kOutChunks) * E;
+      const int row = part * kWarpM + r;
+      if (row >= rows_a || c0 >= rows_b) continue;
+      const T* src = stage_tile + r * kLdo + c0;
+      T* dst = out + row * p.d + c0;
+      if (vec_out && c0 + E <= rows_b) {
+        hw::store_pack<T, E>(dst, hw::load_pack<T, E>(src));
+      } else {
+        for (int e = 0; e < E && c0 + e < rows_b; ++e) dst[e] = src[e];
       }
+    }
   }
 }
 
