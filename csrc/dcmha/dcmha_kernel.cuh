@@ -54,6 +54,15 @@
 
 #include <cstdint>
 
+// Full unrolling of the constant-trip copy loops. The emulator's host compiler does not
+// know `#pragma unroll`; unrolled, each load of a stage has its own call site, which the
+// profile library needs to see the stage's loads as in flight together.
+#if HW_SIM
+#define COMPOSE_UNROLL _Pragma("GCC unroll 64")
+#else
+#define COMPOSE_UNROLL _Pragma("unroll")
+#endif
+
 namespace headwise {
 namespace dcmha {
 
@@ -66,6 +75,7 @@ constexpr int kComposeStages = 3;                 // forward ring depth
 constexpr int kComposeBwdStages = 2;              // backward ring depth
 constexpr int kGradFields = 5;                    // dG [H], dW1 [R, H], dW2 [R, H] per row / column
 constexpr int kGroupValues = 6;                   // per-group totals kept by pass 1 (bwd_query: 6)
+constexpr int kMaxStepRows = 2;                   // rows per ring stage, at most
 
 struct ComposeParams {
   const void* a;      // [B, H, T, T] contiguous, storage dtype
@@ -81,6 +91,7 @@ struct ComposeParams {
   int B, T, H, hg;    // hg = H / head_groups
   int cq, ck;
   int vec16;          // 1: the tiles move in 16-byte chunks (S * elem % 16 == 0, 16-byte aligned)
+  int wvec16;         // 1: w1, w2, g are 16-byte aligned (their column blocks move in 16-byte chunks)
   int pitch;          // elements per head row of a staged tile (128 + 16 bytes of padding)
   int tile_bytes;     // H * pitch * elem
   int row_bytes;      // one row of a stage: its tiles, qw [H][4] and qg [H] floats
@@ -109,15 +120,43 @@ __device__ __forceinline__ uint32_t group_start_mask(int H, int hg) {
 }
 
 // Copies a [kComposeColumns, len] block of per-column weights (column s at src + s * stride,
-// len contiguous floats, s in [s0, s0 + 128), zero beyond T) into smem rows of `pitch`
-// (odd: the later per-column reads are conflict-free). Coalesced: consecutive threads read
-// consecutive floats of a column's run.
-__device__ __forceinline__ void stage_column_block(const float* src, int64_t stride, int len, int pitch, int s0, int T,
-                                                   float* dst) {
-  for (int i = threadIdx.x; i < kComposeColumns * len; i += blockDim.x) {
-    const int c = i / len, j = i - c * len, s = s0 + c;
-    dst[c * pitch + j] = s < T ? src[s * stride + j] : 0.f;
+// len contiguous floats, s in [s0, s0 + 128), zero beyond T) into smem rows of
+// column_pitch(len) floats. With len % 4 == 0 (the columns are then 16-byte aligned):
+// 16-byte cp.async, every copy of a thread issued before the wait, pitch len + 4 (the
+// 16-byte column reads of a quarter-warp then hit distinct bank groups); else 4-byte loads,
+// pitch len | 1 (odd: conflict-free column reads). Coalesced on the global side.
+__device__ __forceinline__ int column_pitch(int len) { return len % 4 == 0 ? len + 4 : (len | 1); }
+// (an unaligned block with len % 4 == 0 keeps the pitch len + 4: its reads are then 4-way
+// conflicted, a fallback only)
+
+template <int MaxLen>
+__device__ __forceinline__ void stage_column_block(const float* src, int64_t stride, int len, int s0, int T,
+                                                   bool aligned, float* dst) {
+  const int pitch = column_pitch(len);
+  if (len % 4 == 0 && aligned) {
+    constexpr int kPerThread = kComposeColumns * MaxLen / 4 / kComposeThreads;
+    const int quads = len / 4;
+    COMPOSE_UNROLL
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = threadIdx.x + k * kComposeThreads;
+      if (i < kComposeColumns * quads) {
+        const int c = i / quads, j = (i - c * quads) * 4, s = s0 + c;
+        const bool in = s < T;
+        hw::cp_async_ca<16>(dst + c * pitch + j, in ? src + s * stride + j : src, in ? 16 : 0);
+      }
+    }
+    hw::cp_async_wait_all();
+  } else {
+    for (int i = threadIdx.x; i < kComposeColumns * len; i += blockDim.x) {
+      const int c = i / len, j = i - c * len, s = s0 + c;
+      dst[c * pitch + j] = s < T ? src[s * stride + j] : 0.f;
+    }
   }
+}
+
+// Element j of this thread's column of a block staged by stage_column_block.
+__device__ __forceinline__ float column_value(const float* staged, int len, int j) {
+  return staged[threadIdx.x * column_pitch(len) + j];
 }
 
 // Four consecutive floats of shared memory (16-byte aligned) in one 16-byte access.
@@ -132,31 +171,31 @@ __device__ __forceinline__ Quad load_quad(const float* p) {
 __device__ __forceinline__ int odd_pitch(int len) { return len | 1; }
 
 // The key-side weights of this thread's column (slot ck) into registers, staged through
-// `stage` (at least 128 (2H + 1) floats of shared memory).
+// `stage` (at least 128 (2H + 4) floats of shared memory).
 __device__ __forceinline__ void load_column_weights(const ComposeParams& p, int b, int s0, float* stage,
                                                     float (&kw1)[kR][kMaxHeads], float (&kw2)[kR][kMaxHeads],
                                                     float (&kg)[kMaxHeads]) {
-  const int H = p.H, c = threadIdx.x;
+  const int H = p.H;
   const int64_t wstride = 4 * kR * H;
-  const int wpitch = odd_pitch(kR * H), gpitch = odd_pitch(H);
-  const float* wsrc[2] = {p.w1 + w_off(p, b, 0, p.ck), p.w2 + w_off(p, b, 0, p.ck)};
+#pragma unroll
   for (int k = 0; k < 2; ++k) {
-    stage_column_block(wsrc[k], wstride, kR * H, wpitch, s0, p.T, stage);
+    const float* src = (k == 0 ? p.w1 : p.w2) + w_off(p, b, 0, p.ck);
+    stage_column_block<kR * kMaxHeads>(src, wstride, kR * H, s0, p.T, p.wvec16, stage);
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < kR; ++r)
 #pragma unroll
       for (int n = 0; n < kMaxHeads; ++n) {
-        const float v = n < H ? stage[c * wpitch + r * H + n] : 0.f;
+        const float v = n < H ? column_value(stage, kR * H, r * H + n) : 0.f;
         if (k == 0) kw1[r][n] = v;
         else kw2[r][n] = v;
       }
     __syncthreads();
   }
-  stage_column_block(p.g + g_off(p, b, 0, p.ck), 4 * H, H, gpitch, s0, p.T, stage);
+  stage_column_block<kMaxHeads>(p.g + g_off(p, b, 0, p.ck), 4 * H, H, s0, p.T, p.wvec16, stage);
   __syncthreads();
 #pragma unroll
-  for (int n = 0; n < kMaxHeads; ++n) kg[n] = n < H ? stage[c * gpitch + n] : 0.f;
+  for (int n = 0; n < kMaxHeads; ++n) kg[n] = n < H ? column_value(stage, H, n) : 0.f;
   __syncthreads();
 }
 
@@ -173,10 +212,15 @@ __device__ __forceinline__ void issue_tile(const ComposeParams& p, const void* b
   if (p.vec16) {
     constexpr int kElems = 16 / static_cast<int>(sizeof(T));
     constexpr int kChunks = kComposeColumns / kElems;
-    for (int i = threadIdx.x; i < p.H * kChunks; i += blockDim.x) {
-      const int n = i / kChunks, c = (i - n * kChunks) * kElems, s = s0 + c;
-      const bool in = s < S;  // S is a multiple of kElems: a chunk is all in or all out
-      hw::cp_async_cg16(tile + n * p.pitch + c, in ? row + n * head_stride + s : row, in ? 16 : 0);
+    constexpr int kPerThread = kMaxHeads * kChunks / kComposeThreads;
+    COMPOSE_UNROLL
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = threadIdx.x + k * kComposeThreads;
+      if (i < p.H * kChunks) {
+        const int n = i / kChunks, c = (i - n * kChunks) * kElems, s = s0 + c;
+        const bool in = s < S;  // S is a multiple of kElems: a chunk is all in or all out
+        hw::cp_async_cg16(tile + n * p.pitch + c, in ? row + n * head_stride + s : row, in ? 16 : 0);
+      }
     }
   } else {
     for (int i = threadIdx.x; i < p.H * kComposeColumns; i += blockDim.x) {
@@ -194,9 +238,15 @@ __device__ __forceinline__ void store_tile(const ComposeParams& p, void* base, i
   if (p.vec16) {
     constexpr int kElems = 16 / static_cast<int>(sizeof(T));
     constexpr int kChunks = kComposeColumns / kElems;
-    for (int i = threadIdx.x; i < p.H * kChunks; i += blockDim.x) {
-      const int n = i / kChunks, c = (i - n * kChunks) * kElems, s = s0 + c;
-      if (s < S) hw::store_pack<T, kElems>(row + n * head_stride + s, hw::load_pack<T, kElems>(tile + n * p.pitch + c));
+    constexpr int kPerThread = kMaxHeads * kChunks / kComposeThreads;
+    COMPOSE_UNROLL
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = threadIdx.x + k * kComposeThreads;
+      if (i < p.H * kChunks) {
+        const int n = i / kChunks, c = (i - n * kChunks) * kElems, s = s0 + c;
+        if (s < S)
+          hw::store_pack<T, kElems>(row + n * head_stride + s, hw::load_pack<T, kElems>(tile + n * p.pitch + c));
+      }
     }
   } else {
     for (int i = threadIdx.x; i < p.H * kComposeColumns; i += blockDim.x) {
@@ -213,8 +263,13 @@ __device__ __forceinline__ void issue_query_weights(const ComposeParams& p, int 
   const float* w1 = p.w1 + w_off(p, b, t, p.cq);
   const float* w2 = p.w2 + w_off(p, b, t, p.cq);
   const float* g = p.g + g_off(p, b, t, p.cq);
-  for (int i = threadIdx.x; i < 5 * H; i += blockDim.x) {
-    if (i < 2 * H) {
+  constexpr int kPerThread = (5 * kMaxHeads + kComposeThreads - 1) / kComposeThreads;
+  COMPOSE_UNROLL
+  for (int k = 0; k < kPerThread; ++k) {
+    const int i = threadIdx.x + k * kComposeThreads;
+    if (i >= 5 * H) {
+      // beyond the row's 5H weights
+    } else if (i < 2 * H) {
       const int r = i / H, n = i - r * H;
       hw::cp_async_ca<4>(qw + 4 * n + r, w1 + i);
     } else if (i < 4 * H) {
@@ -302,7 +357,9 @@ __device__ __forceinline__ void compose_row_fwd(const ComposeParams& p, T* xs, c
 template <typename T>
 __device__ __forceinline__ void issue_step(const ComposeParams& p, int b, int t0, int t_end, int s0,
                                            unsigned char* stage, int ntiles, bool query_weights) {
-  for (int j = 0; j < p.rows_per_step && t0 + j < t_end; ++j) {
+  COMPOSE_UNROLL
+  for (int j = 0; j < kMaxStepRows; ++j) {
+    if (j >= p.rows_per_step || t0 + j >= t_end) break;
     const StageRow<T> r = stage_row<T>(p, stage, j, ntiles);
     issue_tile<T>(p, p.a, b, t0 + j, s0, r.tile0);
     if (ntiles > 1) issue_tile<T>(p, p.grad, b, t0 + j, s0, r.tile1);
@@ -532,15 +589,15 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd_key(const C
   const bool grouped = p.hg < H;
   {
     float* staging = reinterpret_cast<float*>(ring);
-    const int wpitch = odd_pitch(kR * H);
-    const float* wsrc[2] = {p.w1 + w_off(p, b, 0, p.ck), p.w2 + w_off(p, b, 0, p.ck)};
+#pragma unroll
     for (int k = 0; k < 2; ++k) {
-      stage_column_block(wsrc[k], 4 * kR * H, kR * H, wpitch, s0, p.T, staging);
+      const float* src = (k == 0 ? p.w1 : p.w2) + w_off(p, b, 0, p.ck);
+      stage_column_block<kR * kMaxHeads>(src, 4 * kR * H, kR * H, s0, p.T, p.wvec16, staging);
       __syncthreads();
       for (int n = 0; n < H; ++n) {
         float* dst = kwt + 4 * (n * kComposeColumns + c) + 2 * k;
-        dst[0] = staging[c * wpitch + n];
-        dst[1] = staging[c * wpitch + H + n];
+        dst[0] = column_value(staging, kR * H, n);
+        dst[1] = column_value(staging, kR * H, H + n);
       }
       __syncthreads();
     }

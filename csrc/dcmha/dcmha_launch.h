@@ -50,6 +50,8 @@ inline ComposeParams make_params(const Shape& s, const at::Tensor& w1, const at:
   p.hg = static_cast<int>(s.heads / s.head_groups);
   p.cq = static_cast<int>(2 * slot);
   p.ck = p.cq + 1;
+  p.wvec16 = reinterpret_cast<uintptr_t>(p.w1) % 16 == 0 && reinterpret_cast<uintptr_t>(p.w2) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(p.g) % 16 == 0;
   return p;
 }
 
@@ -68,7 +70,7 @@ inline int64_t compose_layout(ComposeParams& p, int64_t elem, int ntiles, int ro
   p.row_bytes = static_cast<int>(ntiles * p.tile_bytes + 16 * H + round16(4 * H));
   p.rows_per_step = rows;
   p.stage_bytes = rows * p.row_bytes;
-  const int64_t staging = static_cast<int64_t>(kComposeColumns) * ((2 * H) | 1) * 4;
+  const int64_t staging = static_cast<int64_t>(kComposeColumns) * ((2 * H) % 4 == 0 ? 2 * H + 4 : (2 * H) | 1) * 4;
   const int64_t ring = std::max<int64_t>(static_cast<int64_t>(stages) * p.stage_bytes, staging);
   p.scratch_offset = static_cast<int>(lead + ring);
   return lead + ring + round16(scratch_per_row * rows + scratch);
