@@ -19,30 +19,34 @@
 // per element 5 query + 5 key weight floats: read from registers and shared memory, never
 // per element from global memory.
 //
-// Design, shared by the three tile kernels: a CTA owns kComposeColumns = 128 columns
-// s0 + threadIdx.x (one per thread) of one batch row b and a chunk of kComposeRows rows.
-//   - The key-side weights of the thread's column are loaded once per CTA (coalesced
-//     copies of the CTA's [128, 2H] / [128, H] weight blocks staged in shared memory): into
-//     registers (kw1, kw2, kg: 5 kMaxHeads floats; forward and bwd_query) or into a
-//     per-column shared array (bwd_key, whose registers hold the key-side gradient sums).
+// Design, shared by the forward and the backward tile kernels: a CTA owns kComposeColumns
+// = 128 columns s0 + threadIdx.x (one per thread) of one batch row b and a chunk of
+// kComposeRows = 128 rows.
+//   - The key-side weights of the thread's column are loaded once per CTA (16-byte
+//     cp.async copies of the CTA's [128, 2H] / [128, H] weight blocks staged in shared
+//     memory): into registers (forward: kw1, kw2, kg, 5 kMaxHeads floats) or into a
+//     per-column shared array kwt (backward, whose registers hold the key-side gradient
+//     sums of the column).
 //   - The rows stream through a ring of shared-memory stages: per row, the [H, 128] tiles
-//     of a (and dy) by 16-byte cp.async (4-byte per element fallback when S is not a
-//     multiple of 16 bytes or a view is misaligned), and the row's query weights by 4-byte
-//     cp.async into the interleaved layout qw[n] = {W1[0,n], W1[1,n], W2[0,n], W2[1,n]}
-//     plus qg[n] that pass 1 and pass 2 read as broadcasts. One __syncthreads per step.
+//     of a (and dy) by 16-byte cp.async (element-wise fallback when S * elem is not a
+//     multiple of 16 bytes or a tensor is misaligned), and the row's query weights by
+//     4-byte cp.async into the interleaved layout qw[n] = {W1[0,n], W1[1,n], W2[0,n],
+//     W2[1,n]} plus qg[n], read as broadcasts. The forward keeps two stages of 2 rows in
+//     flight behind the one it computes, the backward one row; one __syncthreads per row
+//     (three in the backward, around pass B).
 //   - Per (t, s) the thread mixes the heads from shared memory (a[n] of its column:
-//     consecutive lanes, consecutive 2-byte words, conflict-free) and registers: pass 1
-//     the group projections, pass 2 the outputs, written in place into the tile, which the
-//     next step stores with 16-byte coalesced stores. Head groups: pass 1 keeps the group
-//     totals of the thread in shared scratch [G][6][128] when G > 1 (registers when G = 1).
-//   - bwd_query also reduces the query-side gradients of each row over its 128 columns:
-//     pass B maps a warp to 8 heads x 4 column lanes (the tile's head rows are padded by
-//     16 bytes so that these 32 lanes hit 32 banks), sums the columns in a fixed order and
-//     folds the 4 lanes by two xor shuffles; the CTA writes one [5H] partial per row.
-//   - bwd_key accumulates the key-side gradients of its column over the CTA's rows in
-//     registers and writes one [5H] partial per column.
-//   - dcmha_compose_reduce_partials sums the partials of the column tiles (query side) or
-//     row chunks (key side) in ascending order: deterministic, no atomics, and
+//     consecutive lanes, consecutive words, conflict-free) and registers: pass 1 the group
+//     projections, pass 2 the outputs, written in place into the tile, which the next step
+//     stores with 16-byte coalesced stores. Head groups: the group totals of pass 1 go to
+//     shared scratch [G][.][128] when G > 1 (registers when G = 1).
+//   - The backward makes one pass over a and dy. Pass B reduces the query-side gradients
+//     of each row over the CTA's 128 columns: a warp takes 8 heads x 4 column lanes (the
+//     tile's head rows are padded by 16 bytes so that these 32 lanes hit 32 banks), sums
+//     the columns in a fixed order and folds the 4 lanes by two xor shuffles; one [5H]
+//     partial per (column tile, t). The key-side gradients of a column are summed over the
+//     CTA's rows in registers; one [5H] partial per (row chunk, s).
+//   - dcmha_compose_reduce_partials sums the partials of the column tiles (query side) and
+//     of the row chunks (key side) in ascending order: deterministic, no atomics,
 //     independent of the scheduling.
 // Per-thread head arrays are kMaxHeads floats (H <= 32), indexed by unrolled loops only.
 #pragma once
@@ -72,9 +76,8 @@ constexpr int kComposeThreads = 128;
 constexpr int kComposeColumns = kComposeThreads;  // one column s per thread
 constexpr int kComposeRows = 128;                 // rows t per CTA
 constexpr int kComposeStages = 3;                 // forward ring depth
-constexpr int kComposeBwdStages = 2;              // backward ring depth
+constexpr int kComposeBwdStages = 2;              // backward ring depth (1 on small-smem parts)
 constexpr int kGradFields = 5;                    // dG [H], dW1 [R, H], dW2 [R, H] per row / column
-constexpr int kGroupValues = 6;                   // per-group totals kept by pass 1 (bwd_query: 6)
 constexpr int kMaxStepRows = 2;                   // rows per ring stage, at most
 
 struct ComposeParams {
@@ -87,7 +90,8 @@ struct ComposeParams {
   float* dw1;         // backward: [B, T, 4, R, H] (slots cq and ck written)
   float* dw2;
   float* dg;
-  float* partials;    // backward: [parts, B * T, 5H] gradient partials (query or key side)
+  float* partials;    // backward: [column tiles, B * T, 5H] query-side gradient partials
+  float* key_partials;  // backward: [row chunks, B * T, 5H] key-side gradient partials
   int B, T, H, hg;    // hg = H / head_groups
   int cq, ck;
   int vec16;          // 1: the tiles move in 16-byte chunks (S * elem % 16 == 0, 16-byte aligned)
@@ -412,15 +416,20 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_fwd(const Compo
 }
 
 // ---------------------------------------------------------------------------------------
-// Backward: da and the query-side gradients.
+// Backward, one pass over a and dy: da, the query-side and the key-side gradients.
 // ---------------------------------------------------------------------------------------
-// Pass 1 of row t: per group the totals {pq0, pq1, dpq0, dpq1, dpk0, dpk1} of this column,
-// into grp_tot[g][6][128] (read by pass B for every group and by pass 2).
+// Query-side group totals of a (t, s) kept by pass 1 for pass B: [G][4][128] floats.
+constexpr int kBwdGroupValues = 4;  // pq0, pq1, dpq0, dpq1
+
+// Pass 1 of row t, this thread's column: per group pq = W1q a, dpq = W2q dy into grp_tot
+// (read by pass B for every column and by pass 2), and dpk = W2k dy, pk = W1k a, returned
+// in key_tot for the last group (the only one when G = 1; pass 2 recomputes them per group
+// when G > 1, from shared memory).
 template <typename T>
-__device__ __forceinline__ void bwd_query_pass1(const ComposeParams& p, const T* xs, const T* dys, const float* qw,
-                                                const float (&kw2)[kR][kMaxHeads], uint32_t ends, float* grp_tot) {
+__device__ __forceinline__ void bwd_pass1(const ComposeParams& p, const T* xs, const T* dys, const float* qw,
+                                          const float* kwt, uint32_t ends, float* grp_tot, float (&key_tot)[4]) {
   const int H = p.H, c = threadIdx.x, pitch = p.pitch;
-  float acc[kGroupValues] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int grp = 0;
 #pragma unroll
   for (int n = 0; n < kMaxHeads; ++n) {
@@ -428,50 +437,82 @@ __device__ __forceinline__ void bwd_query_pass1(const ComposeParams& p, const T*
       const float x = static_cast<float>(xs[n * pitch + c]);
       const float dy = static_cast<float>(dys[n * pitch + c]);
       const Quad q = load_quad(qw + 4 * n);
+      const Quad kw = load_quad(kwt + 4 * (n * kComposeColumns + c));
       acc[0] += q.x * x;
       acc[1] += q.y * x;
       acc[2] += q.z * dy;
       acc[3] += q.w * dy;
-      acc[4] += kw2[0][n] * dy;
-      acc[5] += kw2[1][n] * dy;
+      acc[4] += kw.z * dy;
+      acc[5] += kw.w * dy;
+      acc[6] += kw.x * x;
+      acc[7] += kw.y * x;
       if ((ends >> n) & 1u) {
 #pragma unroll
-        for (int k = 0; k < kGroupValues; ++k) {
-          grp_tot[(grp * kGroupValues + k) * kComposeColumns + c] = acc[k];
-          acc[k] = 0.f;
-        }
+        for (int k = 0; k < kBwdGroupValues; ++k) grp_tot[(grp * kBwdGroupValues + k) * kComposeColumns + c] = acc[k];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) key_tot[k] = acc[4 + k];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
         ++grp;
       }
     }
   }
 }
 
-// Pass 2 of row t: da[n] = dy[n] (1 + Gq + Gk) + sum_r W1q[r,n] dpq[r] + W1k[r,n] dpk[r],
-// written in place over dy.
+// The key-side gradient sums of this thread's column over the CTA's rows.
+struct KeyGradSums {
+  float g[kMaxHeads];
+  float w1[kR][kMaxHeads];
+  float w2[kR][kMaxHeads];
+};
+
+// Pass 2 of row t, this thread's column: da[n] = dy[n] (1 + Gq + Gk) + sum_r W1q[r,n] dpq[r]
+// + W1k[r,n] dpk[r], written in place over dy; and the key-side sums dGk += a dy,
+// dW1k[r] += a dpk[r], dW2k[r] += pk[r] dy.
 template <typename T>
-__device__ __forceinline__ void bwd_query_pass2(const ComposeParams& p, T* dys, const float* qw, const float* qg,
-                                                const float (&kw1)[kR][kMaxHeads], const float (&kg)[kMaxHeads],
-                                                uint32_t starts, const float* grp_tot) {
-  const int H = p.H, c = threadIdx.x, pitch = p.pitch;
-  float dpq0 = 0.f, dpq1 = 0.f, dpk0 = 0.f, dpk1 = 0.f;
+__device__ __forceinline__ void bwd_pass2(const ComposeParams& p, const T* xs, T* dys, const float* qw,
+                                          const float* qg, const float* kwt, const float (&kg)[kMaxHeads],
+                                          uint32_t starts, const float* grp_tot, const float (&key_tot)[4],
+                                          KeyGradSums& sums) {
+  const int H = p.H, c = threadIdx.x, pitch = p.pitch, hg = p.hg;
+  const bool grouped = hg < H;
+  float dpq0 = 0.f, dpq1 = 0.f;
+  float dpk0 = key_tot[0], dpk1 = key_tot[1], pk0 = key_tot[2], pk1 = key_tot[3];
   int grp = 0;
 #pragma unroll
   for (int n = 0; n < kMaxHeads; ++n) {
     if (n < H) {
       if ((starts >> n) & 1u) {
-        const float* gt = grp_tot + grp * kGroupValues * kComposeColumns + c;
+        const float* gt = grp_tot + grp * kBwdGroupValues * kComposeColumns + c;
         dpq0 = gt[2 * kComposeColumns];
         dpq1 = gt[3 * kComposeColumns];
-        dpk0 = gt[4 * kComposeColumns];
-        dpk1 = gt[5 * kComposeColumns];
         ++grp;
+        if (grouped) {  // this group's key-side totals, in pass 1's order
+          dpk0 = dpk1 = pk0 = pk1 = 0.f;
+          for (int m = n; m < n + hg; ++m) {
+            const float x = static_cast<float>(xs[m * pitch + c]);
+            const float dy = static_cast<float>(dys[m * pitch + c]);
+            const Quad kw = load_quad(kwt + 4 * (m * kComposeColumns + c));
+            dpk0 += kw.z * dy;
+            dpk1 += kw.w * dy;
+            pk0 += kw.x * x;
+            pk1 += kw.y * x;
+          }
+        }
       }
+      const float x = static_cast<float>(xs[n * pitch + c]);
       const float dy = static_cast<float>(dys[n * pitch + c]);
       const Quad q = load_quad(qw + 4 * n);
+      const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 4 * (n * kComposeColumns + c));
       float d = dy * (1.f + qg[n] + kg[n]);
-      d += q.x * dpq0 + kw1[0][n] * dpk0;
-      d += q.y * dpq1 + kw1[1][n] * dpk1;
+      d += q.x * dpq0 + kw1.v[0] * dpk0;
+      d += q.y * dpq1 + kw1.v[1] * dpk1;
       dys[n * pitch + c] = static_cast<T>(d);
+      sums.g[n] += x * dy;
+      sums.w1[0][n] += x * dpk0;
+      sums.w1[1][n] += x * dpk1;
+      sums.w2[0][n] += pk0 * dy;
+      sums.w2[1][n] += pk1 * dy;
     }
   }
 }
@@ -480,13 +521,13 @@ __device__ __forceinline__ void bwd_query_pass2(const ComposeParams& p, T* dys, 
 // heads 8w + lane / 4; the 4 lanes of a head take column pairs lane % 4, +4, +8, ... and
 // are folded by xor shuffles (fixed order). Writes the CTA's [5H] partial of row t.
 template <typename T>
-__device__ __forceinline__ void bwd_query_passB(const ComposeParams& p, const T* xs, const T* dys,
-                                                const float* grp_tot, int b, int t) {
+__device__ __forceinline__ void bwd_passB(const ComposeParams& p, const T* xs, const T* dys, const float* grp_tot,
+                                          int b, int t) {
   const int H = p.H, pitch = p.pitch, lane = threadIdx.x & 31;
   const int n = (threadIdx.x >> 5) * 8 + (lane >> 2), quarter = lane & 3;
   float dg = 0.f, dw1_0 = 0.f, dw1_1 = 0.f, dw2_0 = 0.f, dw2_1 = 0.f;
   if (n < H) {
-    const float* gt = grp_tot + (n / p.hg) * kGroupValues * kComposeColumns;
+    const float* gt = grp_tot + (n / p.hg) * kBwdGroupValues * kComposeColumns;
     const T* xr = xs + n * pitch;
     const T* dyr = dys + n * pitch;
     for (int pair = quarter; pair < kComposeColumns / 2; pair += 4) {
@@ -522,174 +563,109 @@ __device__ __forceinline__ void bwd_query_passB(const ComposeParams& p, const T*
   }
 }
 
-// grid (ceil(T / 128) column tiles, ceil(T / 128) row chunks, B), 128 threads.
-// partials: [column tiles, B * T, 5H].
-template <typename T>
-__global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd_query(const ComposeParams p) {
-  const int s0 = blockIdx.x * kComposeColumns, b = blockIdx.z;
+// grid (ceil(T / 128) column tiles, ceil(T / 128) row chunks, B), 128 threads; a ring of
+// Stages stages of one row each (a and dy tiles, query weights; Stages = 1 where two do not
+// fit the device's shared memory). Shared: kwt [H][128][4] floats = {W1k[0,n], W1k[1,n],
+// W2k[0,n], W2k[1,n]} of the CTA's columns (16 bytes per lane, consecutive lanes
+// consecutive), the ring, group totals [G][4][128]; registers: Gk of the column and its
+// key-side gradient sums. Per row: pass 1, barrier, pass B, barrier (pass B reads dy),
+// pass 2 (da over dy).
+// Writes p.partials [column tiles, B * T, 5H] (query side, one row per CTA and t) and
+// p.key_partials [row chunks, B * T, 5H] (key side, one row per CTA and s).
+template <typename T, int Stages>
+__global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd(const ComposeParams p) {
+  const int s0 = blockIdx.x * kComposeColumns, b = blockIdx.z, c = threadIdx.x, H = p.H;
   const int t_begin = blockIdx.y * kComposeRows, t_end = min(p.T, t_begin + kComposeRows);
   unsigned char* smem = hw::dynamic_shared_memory();
-  // Group totals of every row of a step: [rows_per_step][G][6][128] floats.
-  float* grp_tot = reinterpret_cast<float*>(smem + p.scratch_offset);
-  const int groups = p.H / p.hg;
-  float kw1[kR][kMaxHeads], kw2[kR][kMaxHeads], kg[kMaxHeads];
-  load_column_weights(p, b, s0, reinterpret_cast<float*>(smem), kw1, kw2, kg);
-  const uint32_t ends = group_end_mask(p.H, p.hg), starts = group_start_mask(p.H, p.hg);
-  const int step_rows = p.rows_per_step;
-  const int steps = (t_end - t_begin + step_rows - 1) / step_rows;
-  auto stage = [&](int i) { return smem + (i % kComposeBwdStages) * p.stage_bytes; };
-  auto row_tot = [&](int j) { return grp_tot + j * groups * kGroupValues * kComposeColumns; };
-  for (int i = 0; i < kComposeBwdStages - 1; ++i) {
-    if (i < steps) issue_step<T>(p, b, t_begin + i * step_rows, t_end, s0, stage(i), 2, true);
-    hw::cp_async_commit();
-  }
-  for (int i = 0; i < steps; ++i) {
-    hw::cp_async_wait<kComposeBwdStages - 2>();
-    __syncthreads();  // step i landed; every thread finished step i - 1
-    if (i > 0) store_step<T>(p, b, t_begin + (i - 1) * step_rows, t_end, s0, stage(i - 1), 2, 1);
-    if (i + kComposeBwdStages - 1 < steps)
-      issue_step<T>(p, b, t_begin + (i + kComposeBwdStages - 1) * step_rows, t_end, s0,
-                    stage(i + kComposeBwdStages - 1), 2, true);
-    hw::cp_async_commit();
-    const int t0 = t_begin + i * step_rows, rows = min(step_rows, t_end - t0);
-    for (int j = 0; j < rows; ++j) {
-      const StageRow<T> r = stage_row<T>(p, stage(i), j, 2);
-      bwd_query_pass1<T>(p, r.tile0, r.tile1, r.qw, kw2, ends, row_tot(j));
-    }
-    __syncthreads();  // every column's group totals
-    for (int j = 0; j < rows; ++j) {
-      const StageRow<T> r = stage_row<T>(p, stage(i), j, 2);
-      bwd_query_passB<T>(p, r.tile0, r.tile1, row_tot(j), b, t0 + j);
-    }
-    __syncthreads();  // pass B read dy before pass 2 overwrites it with da
-    for (int j = 0; j < rows; ++j) {
-      const StageRow<T> r = stage_row<T>(p, stage(i), j, 2);
-      bwd_query_pass2<T>(p, r.tile1, r.qw, r.qg, kw1, kg, starts, row_tot(j));
-    }
-  }
-  __syncthreads();
-  if (steps > 0) store_step<T>(p, b, t_begin + (steps - 1) * step_rows, t_end, s0, stage(steps - 1), 2, 1);
-}
-
-// ---------------------------------------------------------------------------------------
-// Backward: the key-side gradients.
-// ---------------------------------------------------------------------------------------
-// grid (ceil(T / 128) column tiles, ceil(T / 128) row chunks, B), 128 threads. The key
-// weights of the CTA's columns live in shared memory, kwt [H][128] float4 = {W1k[0,n],
-// W1k[1,n], W2k[0,n], W2k[1,n]} (consecutive lanes, consecutive 16 bytes); the thread's
-// key-side gradient sums over the chunk's rows in registers. partials: [row chunks, B * T, 5H].
-template <typename T>
-__global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd_key(const ComposeParams p) {
-  const int s0 = blockIdx.x * kComposeColumns, b = blockIdx.z, c = threadIdx.x, H = p.H, pitch = p.pitch;
-  const int t_begin = blockIdx.y * kComposeRows, t_end = min(p.T, t_begin + kComposeRows);
-  unsigned char* smem = hw::dynamic_shared_memory();
-  float* kwt = reinterpret_cast<float*>(smem);  // [H][128][4]
+  float* kwt = reinterpret_cast<float*>(smem);
   unsigned char* ring = smem + static_cast<int64_t>(H) * kComposeColumns * 16;
-  float* scratch = reinterpret_cast<float*>(smem + p.scratch_offset);  // [G][4][128]
-  const bool grouped = p.hg < H;
+  float* grp_tot = reinterpret_cast<float*>(smem + p.scratch_offset);
+  float kg[kMaxHeads];
   {
-    float* staging = reinterpret_cast<float*>(ring);
+    // kwt by 4-byte cp.async straight from the coalesced [128, 2H] runs of w1 and w2 (no
+    // staging: the ring only has to hold g's block), every copy issued before the wait.
+    constexpr int kPerThread = kR * kMaxHeads * kComposeColumns / kComposeThreads;
+    const int len = kR * H;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const float* src = (k == 0 ? p.w1 : p.w2) + w_off(p, b, 0, p.ck);
-      stage_column_block<kR * kMaxHeads>(src, 4 * kR * H, kR * H, s0, p.T, p.wvec16, staging);
-      __syncthreads();
-      for (int n = 0; n < H; ++n) {
-        float* dst = kwt + 4 * (n * kComposeColumns + c) + 2 * k;
-        dst[0] = column_value(staging, kR * H, n);
-        dst[1] = column_value(staging, kR * H, H + n);
+      COMPOSE_UNROLL
+      for (int q = 0; q < kPerThread; ++q) {
+        const int i = threadIdx.x + q * kComposeThreads;
+        if (i < kComposeColumns * len) {
+          const int cc = i / len, j = i - cc * len, r = j / H, n = j - r * H, s = s0 + cc;
+          const bool in = s < p.T;
+          hw::cp_async_ca<4>(kwt + 4 * (n * kComposeColumns + cc) + 2 * k + r,
+                             in ? src + static_cast<int64_t>(s) * 4 * len + j : src, in ? 4 : 0);
+        }
       }
-      __syncthreads();
     }
+    float* staging = reinterpret_cast<float*>(ring);
+    stage_column_block<kMaxHeads>(p.g + g_off(p, b, 0, p.ck), 4 * H, H, s0, p.T, p.wvec16, staging);
+    hw::cp_async_wait_all();  // kwt (and g's block where it went by cp.async)
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < kMaxHeads; ++n) kg[n] = n < H ? column_value(staging, H, n) : 0.f;
+    __syncthreads();
   }
   const uint32_t ends = group_end_mask(H, p.hg), starts = group_start_mask(H, p.hg);
-  float acc_g[kMaxHeads], acc_w1[kR][kMaxHeads], acc_w2[kR][kMaxHeads];
+  KeyGradSums sums;
 #pragma unroll
   for (int n = 0; n < kMaxHeads; ++n) {
-    acc_g[n] = 0.f;
-    acc_w1[0][n] = acc_w1[1][n] = acc_w2[0][n] = acc_w2[1][n] = 0.f;
+    sums.g[n] = 0.f;
+    sums.w1[0][n] = sums.w1[1][n] = sums.w2[0][n] = sums.w2[1][n] = 0.f;
   }
-  const int step_rows = p.rows_per_step;
-  const int steps = (t_end - t_begin + step_rows - 1) / step_rows;
-  auto stage = [&](int i) { return ring + (i % kComposeBwdStages) * p.stage_bytes; };
-  for (int i = 0; i < kComposeBwdStages - 1; ++i) {
-    if (i < steps) issue_step<T>(p, b, t_begin + i * step_rows, t_end, s0, stage(i), 2, false);
+  const int rows = t_end - t_begin;
+  auto stage = [&](int i) { return ring + (i % Stages) * p.stage_bytes; };
+  auto issue = [&](int i) {
+    if (i < rows) issue_step<T>(p, b, t_begin + i, t_end, s0, stage(i), 2, true);
     hw::cp_async_commit();
-  }
-  for (int i = 0; i < steps; ++i) {
-    hw::cp_async_wait<kComposeBwdStages - 2>();
-    __syncthreads();  // step i landed; every thread finished step i - 1 (its stage is free)
-    if (i + kComposeBwdStages - 1 < steps)
-      issue_step<T>(p, b, t_begin + (i + kComposeBwdStages - 1) * step_rows, t_end, s0,
-                    stage(i + kComposeBwdStages - 1), 2, false);
-    hw::cp_async_commit();
-    const int t0 = t_begin + i * step_rows, rows = min(step_rows, t_end - t0);
-    for (int j = 0; j < rows; ++j) {
-      const StageRow<T> r = stage_row<T>(p, stage(i), j, 2);
-      // Pass 1: per group pk = W1k a, dpk = W2k dy.
-      float acc[4] = {0.f, 0.f, 0.f, 0.f}, tot[4] = {0.f, 0.f, 0.f, 0.f};
-      int grp = 0;
-#pragma unroll
-      for (int n = 0; n < kMaxHeads; ++n) {
-        if (n < H) {
-          const float x = static_cast<float>(r.tile0[n * pitch + c]);
-          const float dy = static_cast<float>(r.tile1[n * pitch + c]);
-          const Quad kw = load_quad(kwt + 4 * (n * kComposeColumns + c));
-          acc[0] += kw.x * x;
-          acc[1] += kw.y * x;
-          acc[2] += kw.z * dy;
-          acc[3] += kw.w * dy;
-          if ((ends >> n) & 1u) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              tot[k] = acc[k];
-              if (grouped) scratch[(grp * 4 + k) * kComposeColumns + c] = acc[k];
-              acc[k] = 0.f;
-            }
-            ++grp;
-          }
-        }
-      }
-      // Pass 2: dGk += a dy, dW1k[r] += a dpk[r], dW2k[r] += pk[r] dy.
-      grp = 0;
-#pragma unroll
-      for (int n = 0; n < kMaxHeads; ++n) {
-        if (n < H) {
-          if (grouped && ((starts >> n) & 1u)) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) tot[k] = scratch[(grp * 4 + k) * kComposeColumns + c];
-            ++grp;
-          }
-          const float x = static_cast<float>(r.tile0[n * pitch + c]);
-          const float dy = static_cast<float>(r.tile1[n * pitch + c]);
-          acc_g[n] += x * dy;
-          acc_w1[0][n] += x * tot[2];
-          acc_w1[1][n] += x * tot[3];
-          acc_w2[0][n] += tot[0] * dy;
-          acc_w2[1][n] += tot[1] * dy;
-        }
-      }
+  };
+  for (int i = 0; i < Stages - 1; ++i) issue(i);
+  for (int i = 0; i < rows; ++i) {
+    if constexpr (Stages > 1) {
+      hw::cp_async_wait<Stages - 2>();
+      __syncthreads();  // row i landed; every thread finished row i - 1
+      if (i > 0) store_step<T>(p, b, t_begin + i - 1, t_end, s0, stage(i - 1), 2, 1);
+      issue(i + Stages - 1);  // into row i - 1's stage, after this thread's own stores of it
+    } else {  // one stage (small shared memory): store row i - 1, then load row i into it
+      __syncthreads();  // every thread finished row i - 1
+      if (i > 0) store_step<T>(p, b, t_begin + i - 1, t_end, s0, stage(i - 1), 2, 1);
+      issue(i);
+      hw::cp_async_wait<0>();
+      __syncthreads();  // row i landed
     }
+    const int t = t_begin + i;
+    const StageRow<T> r = stage_row<T>(p, stage(i), 0, 2);
+    float key_tot[4] = {0.f, 0.f, 0.f, 0.f};
+    bwd_pass1<T>(p, r.tile0, r.tile1, r.qw, kwt, ends, grp_tot, key_tot);
+    __syncthreads();  // every column's group totals
+    bwd_passB<T>(p, r.tile0, r.tile1, grp_tot, b, t);
+    __syncthreads();  // pass B read dy before pass 2 overwrites it with da
+    bwd_pass2<T>(p, r.tile0, r.tile1, r.qw, r.qg, kwt, kg, starts, grp_tot, key_tot, sums);
   }
-  // The column sums, [128][5H] through shared memory (odd pitch), then coalesced rows of
-  // the partial [B * T, 5H] (the CTA's 128 columns are one contiguous run).
   __syncthreads();
-  float* out_stage = reinterpret_cast<float*>(smem);  // kwt and the ring are dead now
+  if (rows > 0) store_step<T>(p, b, t_end - 1, t_end, s0, stage(rows - 1), 2, 1);
+  // The column sums, [128][5H | 1] through shared memory (kwt and the ring are dead once
+  // every thread has stored its last da chunks), then coalesced rows of the key partial
+  // [B * T, 5H] (the CTA's 128 columns are one contiguous run).
+  __syncthreads();
+  float* out_stage = reinterpret_cast<float*>(smem);
   const int len = kGradFields * H, opitch = odd_pitch(len);
 #pragma unroll
   for (int n = 0; n < kMaxHeads; ++n) {
     if (n < H) {
       float* o = out_stage + c * opitch;
-      o[n] = acc_g[n];
-      o[H + n] = acc_w1[0][n];
-      o[2 * H + n] = acc_w1[1][n];
-      o[3 * H + n] = acc_w2[0][n];
-      o[4 * H + n] = acc_w2[1][n];
+      o[n] = sums.g[n];
+      o[H + n] = sums.w1[0][n];
+      o[2 * H + n] = sums.w1[1][n];
+      o[3 * H + n] = sums.w2[0][n];
+      o[4 * H + n] = sums.w2[1][n];
     }
   }
   __syncthreads();
   const int cols = min(kComposeColumns, p.T - s0);
-  float* dst = p.partials + ((static_cast<int64_t>(blockIdx.y) * p.B + b) * p.T + s0) * len;
+  float* dst = p.key_partials + ((static_cast<int64_t>(blockIdx.y) * p.B + b) * p.T + s0) * len;
   for (int i = threadIdx.x; i < cols * len; i += blockDim.x) {
     const int cc = i / len, j = i - cc * len;
     dst[i] = out_stage[cc * opitch + j];
@@ -699,7 +675,8 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd_key(const C
 // grad of slot c [B, T, 4, ...] = sum over k < parts (ascending) of partials[k, b * T + t, :].
 // One thread per (b * T + t, field element); grid ceil(B T 5H / 256), 256 threads.
 constexpr int kReduceThreads = 256;
-__global__ void __launch_bounds__(kReduceThreads) dcmha_compose_reduce_partials(const ComposeParams p, int parts,
+__global__ void __launch_bounds__(kReduceThreads) dcmha_compose_reduce_partials(const ComposeParams p,
+                                                                                const float* partials, int parts,
                                                                                 int c) {
   const int H = p.H, len = kGradFields * H;
   const int64_t rows = static_cast<int64_t>(p.B) * p.T;
@@ -708,7 +685,7 @@ __global__ void __launch_bounds__(kReduceThreads) dcmha_compose_reduce_partials(
   const int64_t bt = i / len;
   const int j = static_cast<int>(i - bt * len);
   float sum = 0.f;
-  for (int k = 0; k < parts; ++k) sum += p.partials[k * rows * len + i];
+  for (int k = 0; k < parts; ++k) sum += partials[k * rows * len + i];
   const int64_t wo = (bt * 4 + c) * kR * H, go = (bt * 4 + c) * H;
   if (j < H) p.dg[go + j] = sum;
   else if (j < 3 * H) p.dw1[wo + j - H] = sum;

@@ -57,20 +57,23 @@ inline ComposeParams make_params(const Shape& s, const at::Tensor& w1, const at:
 
 inline int64_t round16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
+inline int64_t column_block_bytes(int64_t len) {  // stage_column_block's [128, column_pitch(len)] floats
+  return static_cast<int64_t>(kComposeColumns) * (len % 4 == 0 ? len + 4 : len | 1) * 4;
+}
+
 // Shared-memory layout of the tile kernels (dcmha_kernel.cuh): `lead` bytes first (the
 // key-side kernel's weights), then a ring of `stages` stages of `rows` rows, each row
-// `ntiles` [H, pitch] tiles + qw [H][4] + qg [H] floats; the key-weight staging of
-// load_column_weights reuses the ring; then `scratch_per_row * rows + scratch` bytes of
-// group totals. Fills p's layout fields and returns the dynamic shared bytes.
+// `ntiles` [H, pitch] tiles + qw [H][4] + qg [H] floats, at least `staging` bytes (the
+// column weight blocks staged there at the start); then `scratch_per_row * rows + scratch`
+// bytes of group totals. Fills p's layout fields and returns the dynamic shared bytes.
 inline int64_t compose_layout(ComposeParams& p, int64_t elem, int ntiles, int rows, int stages, int64_t lead,
-                              int64_t scratch_per_row, int64_t scratch) {
+                              int64_t staging, int64_t scratch_per_row, int64_t scratch) {
   const int64_t H = p.H;
   p.pitch = static_cast<int>(kComposeColumns + 16 / elem);
   p.tile_bytes = static_cast<int>(H * p.pitch * elem);
   p.row_bytes = static_cast<int>(ntiles * p.tile_bytes + 16 * H + round16(4 * H));
   p.rows_per_step = rows;
   p.stage_bytes = rows * p.row_bytes;
-  const int64_t staging = static_cast<int64_t>(kComposeColumns) * ((2 * H) % 4 == 0 ? 2 * H + 4 : (2 * H) | 1) * 4;
   const int64_t ring = std::max<int64_t>(static_cast<int64_t>(stages) * p.stage_bytes, staging);
   p.scratch_offset = static_cast<int>(lead + ring);
   return lead + ring + round16(scratch_per_row * rows + scratch);
@@ -164,7 +167,9 @@ at::Tensor HW_DCMHA_ENTRY(compose)(const at::Tensor& a, const at::Tensor& w1, co
   p.vec16 = (s.seq * elem) % 16 == 0 && aligned16_ptr(x.data_ptr()) && aligned16_ptr(out.data_ptr());
   const int64_t group_scratch = groups > 1 ? groups * 4 * kComposeColumns * 4 : 0;
   const int64_t smem =
-      fit_rows([&](int rows) { return compose_layout(p, elem, 1, rows, kComposeStages, 0, 0, group_scratch); });
+      fit_rows([&](int rows) { return compose_layout(p, elem, 1, rows, kComposeStages, 0, column_block_bytes(2 * s.heads), 0,
+                                                       group_scratch);
+      });
   const unsigned tiles = static_cast<unsigned>((s.seq + kComposeColumns - 1) / kComposeColumns);
   const unsigned chunks = static_cast<unsigned>((s.seq + kComposeRows - 1) / kComposeRows);
   dispatch_storage_dtype(a.scalar_type(), "dcmha_compose", "a", [&](auto tag) {
@@ -213,33 +218,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
     // Gradient partials: per column tile (query side), per row chunk (key side).
     at::Tensor query_partials = at::empty({tiles, rows, len}, w1f.options());
     at::Tensor key_partials = at::empty({chunks, rows, len}, w1f.options());
-    ComposeParams pq = p, pk = p;
-    const int64_t query_smem = fit_rows([&](int r) {
-      return compose_layout(pq, elem, 2, r, kComposeBwdStages, 0, groups * kGroupValues * kComposeColumns * 4, 0);
-    });
-    pq.partials = query_partials.data_ptr<float>();
-    // bwd_key: key weights [H][128][4] floats, a ring of one row per stage, [G][4][128]
-    // group totals; the [128][5H | 1] column sums reuse the whole buffer at the end.
-    const int64_t key_lead = H * kComposeColumns * 16;
-    const int64_t key_scratch = groups > 1 ? groups * 4 * kComposeColumns * 4 : 0;
-    const int64_t key_smem =
-        std::max<int64_t>(compose_layout(pk, elem, 2, 1, kComposeBwdStages, key_lead, 0, key_scratch),
-                          static_cast<int64_t>(kComposeColumns) * (len | 1) * 4);
-    pk.partials = key_partials.data_ptr<float>();
+    p.partials = query_partials.data_ptr<float>();
+    p.key_partials = key_partials.data_ptr<float>();
+    // Key weights [H][128][4] floats, a ring of one-row stages, [G][4][128] group totals
+    // (~100 KiB at H = 32 bf16 with two stages: two CTAs per SM on sm_90); the
+    // [128][5H | 1] column sums reuse the whole buffer at the end. One stage where two do
+    // not fit the device (sm_86/89/120: 99 KiB).
+    const int64_t key_weights = H * kComposeColumns * 16;
+    auto bwd_smem = [&](int stages) {
+      return std::max<int64_t>(compose_layout(p, elem, 2, 1, stages, key_weights, column_block_bytes(H),
+                                              groups * kBwdGroupValues * kComposeColumns * 4, 0),
+                               static_cast<int64_t>(kComposeColumns) * (len | 1) * 4);
+    };
+    int stages = kComposeBwdStages;
+    int64_t smem = bwd_smem(stages);
+    if (smem > static_cast<int64_t>(hw::max_dynamic_smem_optin())) smem = bwd_smem(stages = 1);
     const unsigned reduce_blocks = static_cast<unsigned>((rows * len + kReduceThreads - 1) / kReduceThreads);
     dispatch_storage_dtype(a.scalar_type(), "dcmha_compose_backward", "a", [&](auto tag) {
       using T = decltype(tag);
-      auto kq = &dcmha_compose_bwd_query<T>;
-      auto kk = &dcmha_compose_bwd_key<T>;
-      hw::allow_dynamic_smem("dcmha_compose_backward", kq, static_cast<size_t>(query_smem));
-      hw::allow_dynamic_smem("dcmha_compose_backward", kk, static_cast<size_t>(key_smem));
-      HW_LAUNCH("dcmha_compose_bwd_query", kq, grid, dim3(kComposeThreads), static_cast<size_t>(query_smem), pq);
-      HW_LAUNCH("dcmha_compose_bwd_key", kk, grid, dim3(kComposeThreads), static_cast<size_t>(key_smem), pk);
+      auto kernel = stages > 1 ? &dcmha_compose_bwd<T, kComposeBwdStages> : &dcmha_compose_bwd<T, 1>;
+      hw::allow_dynamic_smem("dcmha_compose_backward", kernel, static_cast<size_t>(smem));
+      HW_LAUNCH("dcmha_compose_bwd", kernel, grid, dim3(kComposeThreads), static_cast<size_t>(smem), p);
     });
     HW_LAUNCH("dcmha_compose_reduce_partials", dcmha_compose_reduce_partials, dim3(reduce_blocks),
-              dim3(kReduceThreads), 0, pq, static_cast<int>(tiles), pq.cq);
+              dim3(kReduceThreads), 0, p, static_cast<const float*>(p.partials), static_cast<int>(tiles), p.cq);
     HW_LAUNCH("dcmha_compose_reduce_partials", dcmha_compose_reduce_partials, dim3(reduce_blocks),
-              dim3(kReduceThreads), 0, pk, static_cast<int>(chunks), pk.ck);
+              dim3(kReduceThreads), 0, p, static_cast<const float*>(p.key_partials), static_cast<int>(chunks), p.ck);
   } else {
     da.zero_();
   }

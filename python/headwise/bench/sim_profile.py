@@ -334,7 +334,7 @@ def _compose_bytes(s):
 def _compose_flops(s):
     e = s["B"] * s["H"] * s["T"] * s["T"]
     return {"fwd": {"dcmha_compose_fwd": COMPOSE_FLOPS * e},
-            "bwd": {"dcmha_compose_bwd_query": COMPOSE_FLOPS * e, "dcmha_compose_bwd_key": COMPOSE_FLOPS * e}}
+            "bwd": {"dcmha_compose_bwd": 2 * COMPOSE_FLOPS * e}}
 
 
 def _attention_bytes(s):
