@@ -437,15 +437,16 @@ __device__ __forceinline__ void bwd_pass1(const ComposeParams& p, const T* xs, c
       const float x = static_cast<float>(xs[n * pitch + c]);
       const float dy = static_cast<float>(dys[n * pitch + c]);
       const Quad q = load_quad(qw + 4 * n);
-      const Quad kw = load_quad(kwt + 4 * (n * kComposeColumns + c));
+      const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 2 * (n * kComposeColumns + c));
+      const hw::Pack<float, 2> kw2 = hw::load_pack<float, 2>(kwt + 2 * ((H + n) * kComposeColumns + c));
       acc[0] += q.x * x;
       acc[1] += q.y * x;
       acc[2] += q.z * dy;
       acc[3] += q.w * dy;
-      acc[4] += kw.z * dy;
-      acc[5] += kw.w * dy;
-      acc[6] += kw.x * x;
-      acc[7] += kw.y * x;
+      acc[4] += kw2.v[0] * dy;
+      acc[5] += kw2.v[1] * dy;
+      acc[6] += kw1.v[0] * x;
+      acc[7] += kw1.v[1] * x;
       if ((ends >> n) & 1u) {
 #pragma unroll
         for (int k = 0; k < kBwdGroupValues; ++k) grp_tot[(grp * kBwdGroupValues + k) * kComposeColumns + c] = acc[k];
@@ -492,18 +493,19 @@ __device__ __forceinline__ void bwd_pass2(const ComposeParams& p, const T* xs, T
           for (int m = n; m < n + hg; ++m) {
             const float x = static_cast<float>(xs[m * pitch + c]);
             const float dy = static_cast<float>(dys[m * pitch + c]);
-            const Quad kw = load_quad(kwt + 4 * (m * kComposeColumns + c));
-            dpk0 += kw.z * dy;
-            dpk1 += kw.w * dy;
-            pk0 += kw.x * x;
-            pk1 += kw.y * x;
+            const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 2 * (m * kComposeColumns + c));
+            const hw::Pack<float, 2> kw2 = hw::load_pack<float, 2>(kwt + 2 * ((H + m) * kComposeColumns + c));
+            dpk0 += kw2.v[0] * dy;
+            dpk1 += kw2.v[1] * dy;
+            pk0 += kw1.v[0] * x;
+            pk1 += kw1.v[1] * x;
           }
         }
       }
       const float x = static_cast<float>(xs[n * pitch + c]);
       const float dy = static_cast<float>(dys[n * pitch + c]);
       const Quad q = load_quad(qw + 4 * n);
-      const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 4 * (n * kComposeColumns + c));
+      const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 2 * (n * kComposeColumns + c));
       float d = dy * (1.f + qg[n] + kg[n]);
       d += q.x * dpq0 + kw1.v[0] * dpk0;
       d += q.y * dpq1 + kw1.v[1] * dpk1;
@@ -565,9 +567,9 @@ __device__ __forceinline__ void bwd_passB(const ComposeParams& p, const T* xs, c
 
 // grid (ceil(T / 128) column tiles, ceil(T / 128) row chunks, B), 128 threads; a ring of
 // Stages stages of one row each (a and dy tiles, query weights; Stages = 1 where two do not
-// fit the device's shared memory). Shared: kwt [H][128][4] floats = {W1k[0,n], W1k[1,n],
-// W2k[0,n], W2k[1,n]} of the CTA's columns (16 bytes per lane, consecutive lanes
-// consecutive), the ring, group totals [G][4][128]; registers: Gk of the column and its
+// fit the device's shared memory). Shared: kwt [2][H][128][2] floats = {W1k[0,n], W1k[1,n]}
+// and {W2k[0,n], W2k[1,n]} of the CTA's columns (8 bytes per lane, consecutive lanes
+// consecutive; pass 2 reads only the W1k plane), the ring, group totals [G][4][128]; registers: Gk of the column and its
 // key-side gradient sums. Per row: pass 1, barrier, pass B, barrier (pass B reads dy),
 // pass 2 (da over dy).
 // Writes p.partials [column tiles, B * T, 5H] (query side, one row per CTA and t) and
@@ -595,7 +597,7 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd(const Compo
         if (i < kComposeColumns * len) {
           const int cc = i / len, j = i - cc * len, r = j / H, n = j - r * H, s = s0 + cc;
           const bool in = s < p.T;
-          hw::cp_async_ca<4>(kwt + 4 * (n * kComposeColumns + cc) + 2 * k + r,
+          hw::cp_async_ca<4>(kwt + 2 * ((k * H + n) * kComposeColumns + cc) + r,
                              in ? src + static_cast<int64_t>(s) * 4 * len + j : src, in ? 4 : 0);
         }
       }
@@ -684,8 +686,17 @@ __global__ void __launch_bounds__(kReduceThreads) dcmha_compose_reduce_partials(
   if (i >= rows * len) return;
   const int64_t bt = i / len;
   const int j = static_cast<int>(i - bt * len);
+  // Ascending k; 8 independent loads in flight per thread.
+  constexpr int kBatch = 8;
   float sum = 0.f;
-  for (int k = 0; k < parts; ++k) sum += partials[k * rows * len + i];
+  for (int k0 = 0; k0 < parts; k0 += kBatch) {
+    float v[kBatch];
+    COMPOSE_UNROLL
+    for (int j = 0; j < kBatch; ++j) v[j] = k0 + j < parts ? partials[(k0 + j) * rows * len + i] : 0.f;
+    COMPOSE_UNROLL
+    for (int j = 0; j < kBatch; ++j)
+      if (k0 + j < parts) sum += v[j];
+  }
   const int64_t wo = (bt * 4 + c) * kR * H, go = (bt * 4 + c) * H;
   if (j < H) p.dg[go + j] = sum;
   else if (j < 3 * H) p.dw1[wo + j - H] = sum;

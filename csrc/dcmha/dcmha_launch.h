@@ -220,7 +220,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
     at::Tensor key_partials = at::empty({chunks, rows, len}, w1f.options());
     p.partials = query_partials.data_ptr<float>();
     p.key_partials = key_partials.data_ptr<float>();
-    // Key weights [H][128][4] floats, a ring of one-row stages, [G][4][128] group totals
+    // Key weights [2][H][128][2] floats, a ring of one-row stages, [G][4][128] group totals
     // (~100 KiB at H = 32 bf16 with two stages: two CTAs per SM on sm_90); the
     // [128][5H | 1] column sums reuse the whole buffer at the end. One stage where two do
     // not fit the device (sm_86/89/120: 99 KiB).
