@@ -32,8 +32,9 @@
 //     multiple of 16 bytes or a tensor is misaligned), and the row's query weights by
 //     4-byte cp.async into the interleaved layout qw[n] = {W1[0,n], W1[1,n], W2[0,n],
 //     W2[1,n]} plus qg[n], read as broadcasts. The forward keeps two stages of 2 rows in
-//     flight behind the one it computes, the backward one row; one __syncthreads per row
-//     (three in the backward, around pass B).
+//     flight behind the one it computes (one __syncthreads per stage); the backward loads
+//     one row at a time into its single stage (its registers and shared memory allow two
+//     CTAs per SM, which overlap each other's loads), four __syncthreads per row.
 //   - Per (t, s) the thread mixes the heads from shared memory (a[n] of its column:
 //     consecutive lanes, consecutive words, conflict-free) and registers: pass 1 the group
 //     projections, pass 2 the outputs, written in place into the tile, which the next step
@@ -76,7 +77,6 @@ constexpr int kComposeThreads = 128;
 constexpr int kComposeColumns = kComposeThreads;  // one column s per thread
 constexpr int kComposeRows = 128;                 // rows t per CTA
 constexpr int kComposeStages = 3;                 // forward ring depth
-constexpr int kComposeBwdStages = 2;              // backward ring depth (1 on small-smem parts)
 constexpr int kGradFields = 5;                    // dG [H], dW1 [R, H], dW2 [R, H] per row / column
 constexpr int kMaxStepRows = 2;                   // rows per ring stage, at most
 
@@ -96,7 +96,7 @@ struct ComposeParams {
   int cq, ck;
   int vec16;          // 1: the tiles move in 16-byte chunks (S * elem % 16 == 0, 16-byte aligned)
   int wvec16;         // 1: w1, w2, g are 16-byte aligned (their column blocks move in 16-byte chunks)
-  int pitch;          // elements per head row of a staged tile (128 + 16 bytes of padding)
+  int pitch;          // elements per head row of a staged tile: tile_pitch<T>() (host layout)
   int tile_bytes;     // H * pitch * elem
   int row_bytes;      // one row of a stage: its tiles, qw [H][4] and qg [H] floats
   int rows_per_step;  // rows per ring stage
@@ -109,6 +109,14 @@ __device__ __forceinline__ int64_t w_off(const ComposeParams& p, int b, int t, i
 }
 __device__ __forceinline__ int64_t g_off(const ComposeParams& p, int b, int t, int c) {
   return ((static_cast<int64_t>(b) * p.T + t) * 4 + c) * p.H;
+}
+
+// Elements per head row of a staged [H, 128] tile: 128 + 16 bytes of padding (16-byte
+// aligned rows for cp.async; the pass-B lanes of 8 heads then start in 8 distinct bank
+// groups). A constant, so that every head row's offset is an immediate.
+template <typename T>
+__device__ __forceinline__ constexpr int tile_pitch() {
+  return kComposeColumns + 16 / static_cast<int>(sizeof(T));
 }
 
 // Bit n set where head n ends (starts) its group of hg heads.
@@ -223,13 +231,13 @@ __device__ __forceinline__ void issue_tile(const ComposeParams& p, const void* b
       if (i < p.H * kChunks) {
         const int n = i / kChunks, c = (i - n * kChunks) * kElems, s = s0 + c;
         const bool in = s < S;  // S is a multiple of kElems: a chunk is all in or all out
-        hw::cp_async_cg16(tile + n * p.pitch + c, in ? row + n * head_stride + s : row, in ? 16 : 0);
+        hw::cp_async_cg16(tile + n * tile_pitch<T>() + c, in ? row + n * head_stride + s : row, in ? 16 : 0);
       }
     }
   } else {
     for (int i = threadIdx.x; i < p.H * kComposeColumns; i += blockDim.x) {
       const int n = i / kComposeColumns, c = i - n * kComposeColumns, s = s0 + c;
-      tile[n * p.pitch + c] = s < S ? row[n * head_stride + s] : T(0.f);
+      tile[n * tile_pitch<T>() + c] = s < S ? row[n * head_stride + s] : T(0.f);
     }
   }
 }
@@ -249,13 +257,13 @@ __device__ __forceinline__ void store_tile(const ComposeParams& p, void* base, i
       if (i < p.H * kChunks) {
         const int n = i / kChunks, c = (i - n * kChunks) * kElems, s = s0 + c;
         if (s < S)
-          hw::store_pack<T, kElems>(row + n * head_stride + s, hw::load_pack<T, kElems>(tile + n * p.pitch + c));
+          hw::store_pack<T, kElems>(row + n * head_stride + s, hw::load_pack<T, kElems>(tile + n * tile_pitch<T>() + c));
       }
     }
   } else {
     for (int i = threadIdx.x; i < p.H * kComposeColumns; i += blockDim.x) {
       const int n = i / kComposeColumns, c = i - n * kComposeColumns, s = s0 + c;
-      if (s < S) row[n * head_stride + s] = tile[n * p.pitch + c];
+      if (s < S) row[n * head_stride + s] = tile[n * tile_pitch<T>() + c];
     }
   }
 }
@@ -313,7 +321,8 @@ __device__ __forceinline__ void compose_row_fwd(const ComposeParams& p, T* xs, c
                                                 const float (&kw1)[kR][kMaxHeads], const float (&kw2)[kR][kMaxHeads],
                                                 const float (&kg)[kMaxHeads], uint32_t ends, uint32_t starts,
                                                 float* scratch) {
-  const int H = p.H, c = threadIdx.x, pitch = p.pitch;
+  const int H = p.H, c = threadIdx.x;
+  constexpr int pitch = tile_pitch<T>();
   const bool grouped = p.hg < H;
   // Pass 1: per group, pq = W1q a and pk = W1k a; tot holds the current group's totals.
   float acc[4] = {0.f, 0.f, 0.f, 0.f}, tot[4] = {0.f, 0.f, 0.f, 0.f};
@@ -428,7 +437,8 @@ constexpr int kBwdGroupValues = 4;  // pq0, pq1, dpq0, dpq1
 template <typename T>
 __device__ __forceinline__ void bwd_pass1(const ComposeParams& p, const T* xs, const T* dys, const float* qw,
                                           const float* kwt, uint32_t ends, float* grp_tot, float (&key_tot)[4]) {
-  const int H = p.H, c = threadIdx.x, pitch = p.pitch;
+  const int H = p.H, c = threadIdx.x;
+  constexpr int pitch = tile_pitch<T>();
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int grp = 0;
 #pragma unroll
@@ -472,10 +482,11 @@ struct KeyGradSums {
 // dW1k[r] += a dpk[r], dW2k[r] += pk[r] dy.
 template <typename T>
 __device__ __forceinline__ void bwd_pass2(const ComposeParams& p, const T* xs, T* dys, const float* qw,
-                                          const float* qg, const float* kwt, const float (&kg)[kMaxHeads],
+                                          const float* qg, const float* kwt, const float* kgt,
                                           uint32_t starts, const float* grp_tot, const float (&key_tot)[4],
                                           KeyGradSums& sums) {
-  const int H = p.H, c = threadIdx.x, pitch = p.pitch, hg = p.hg;
+  const int H = p.H, c = threadIdx.x, hg = p.hg;
+  constexpr int pitch = tile_pitch<T>();
   const bool grouped = hg < H;
   float dpq0 = 0.f, dpq1 = 0.f;
   float dpk0 = key_tot[0], dpk1 = key_tot[1], pk0 = key_tot[2], pk1 = key_tot[3];
@@ -506,7 +517,7 @@ __device__ __forceinline__ void bwd_pass2(const ComposeParams& p, const T* xs, T
       const float dy = static_cast<float>(dys[n * pitch + c]);
       const Quad q = load_quad(qw + 4 * n);
       const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 2 * (n * kComposeColumns + c));
-      float d = dy * (1.f + qg[n] + kg[n]);
+      float d = dy * (1.f + qg[n] + kgt[n * kComposeColumns + c]);
       d += q.x * dpq0 + kw1.v[0] * dpk0;
       d += q.y * dpq1 + kw1.v[1] * dpk1;
       dys[n * pitch + c] = static_cast<T>(d);
@@ -525,7 +536,8 @@ __device__ __forceinline__ void bwd_pass2(const ComposeParams& p, const T* xs, T
 template <typename T>
 __device__ __forceinline__ void bwd_passB(const ComposeParams& p, const T* xs, const T* dys, const float* grp_tot,
                                           int b, int t) {
-  const int H = p.H, pitch = p.pitch, lane = threadIdx.x & 31;
+  const int H = p.H, lane = threadIdx.x & 31;
+  constexpr int pitch = tile_pitch<T>();
   const int n = (threadIdx.x >> 5) * 8 + (lane >> 2), quarter = lane & 3;
   float dg = 0.f, dw1_0 = 0.f, dw1_1 = 0.f, dw2_0 = 0.f, dw2_1 = 0.f;
   if (n < H) {
@@ -565,34 +577,34 @@ __device__ __forceinline__ void bwd_passB(const ComposeParams& p, const T* xs, c
   }
 }
 
-// grid (ceil(T / 128) column tiles, ceil(T / 128) row chunks, B), 128 threads; a ring of
-// Stages stages of one row each (a and dy tiles, query weights; Stages = 1 where two do not
-// fit the device's shared memory). Shared: kwt [2][H][128][2] floats = {W1k[0,n], W1k[1,n]}
-// and {W2k[0,n], W2k[1,n]} of the CTA's columns (8 bytes per lane, consecutive lanes
-// consecutive; pass 2 reads only the W1k plane), the ring, group totals [G][4][128]; registers: Gk of the column and its
-// key-side gradient sums. Per row: pass 1, barrier, pass B, barrier (pass B reads dy),
-// pass 2 (da over dy).
+// grid (ceil(T / 128) column tiles, ceil(T / 128) row chunks, B), 128 threads, two CTAs
+// per SM at H = 32 (255 registers would spill with the column's Gk in registers too; ~100
+// KiB of shared memory). Shared: kwt [2][H][128][2] floats = {W1k[0,n], W1k[1,n]} and
+// {W2k[0,n], W2k[1,n]} of the CTA's columns (8 bytes per lane, consecutive lanes
+// consecutive; pass 2 reads only the W1k plane), kgt [H][128] = Gk, one stage of one row
+// (a and dy tiles, query weights), group totals [G][4][128]; registers: the column's
+// key-side gradient sums. Per row: load, pass 1, barrier, pass B, barrier (pass B reads
+// dy), pass 2 (da over dy), barrier, store da.
 // Writes p.partials [column tiles, B * T, 5H] (query side, one row per CTA and t) and
 // p.key_partials [row chunks, B * T, 5H] (key side, one row per CTA and s).
-template <typename T, int Stages>
+template <typename T>
 __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd(const ComposeParams p) {
   const int s0 = blockIdx.x * kComposeColumns, b = blockIdx.z, c = threadIdx.x, H = p.H;
   const int t_begin = blockIdx.y * kComposeRows, t_end = min(p.T, t_begin + kComposeRows);
   unsigned char* smem = hw::dynamic_shared_memory();
   float* kwt = reinterpret_cast<float*>(smem);
-  unsigned char* ring = smem + static_cast<int64_t>(H) * kComposeColumns * 16;
+  float* kgt = kwt + 4 * H * kComposeColumns;
+  unsigned char* stage = smem + static_cast<int64_t>(H) * kComposeColumns * 20;
   float* grp_tot = reinterpret_cast<float*>(smem + p.scratch_offset);
-  float kg[kMaxHeads];
   {
-    // kwt by 4-byte cp.async straight from the coalesced [128, 2H] runs of w1 and w2 (no
-    // staging: the ring only has to hold g's block), every copy issued before the wait.
-    constexpr int kPerThread = kR * kMaxHeads * kComposeColumns / kComposeThreads;
+    // kwt and kgt by 4-byte cp.async straight from the coalesced runs of w1, w2 ([128, 2H])
+    // and g ([128, H]), every copy issued before the wait.
     const int len = kR * H;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const float* src = (k == 0 ? p.w1 : p.w2) + w_off(p, b, 0, p.ck);
       COMPOSE_UNROLL
-      for (int q = 0; q < kPerThread; ++q) {
+      for (int q = 0; q < kR * kMaxHeads; ++q) {
         const int i = threadIdx.x + q * kComposeThreads;
         if (i < kComposeColumns * len) {
           const int cc = i / len, j = i - cc * len, r = j / H, n = j - r * H, s = s0 + cc;
@@ -602,12 +614,18 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd(const Compo
         }
       }
     }
-    float* staging = reinterpret_cast<float*>(ring);
-    stage_column_block<kMaxHeads>(p.g + g_off(p, b, 0, p.ck), 4 * H, H, s0, p.T, p.wvec16, staging);
-    hw::cp_async_wait_all();  // kwt (and g's block where it went by cp.async)
-    __syncthreads();
-#pragma unroll
-    for (int n = 0; n < kMaxHeads; ++n) kg[n] = n < H ? column_value(staging, H, n) : 0.f;
+    const float* g = p.g + g_off(p, b, 0, p.ck);
+    COMPOSE_UNROLL
+    for (int q = 0; q < kMaxHeads; ++q) {
+      const int i = threadIdx.x + q * kComposeThreads;
+      if (i < kComposeColumns * H) {
+        const int cc = i / H, n = i - cc * H, s = s0 + cc;
+        const bool in = s < p.T;
+        hw::cp_async_ca<4>(kgt + n * kComposeColumns + cc, in ? g + static_cast<int64_t>(s) * 4 * H + n : g,
+                           in ? 4 : 0);
+      }
+    }
+    hw::cp_async_wait_all();
     __syncthreads();
   }
   const uint32_t ends = group_end_mask(H, p.hg), starts = group_start_mask(H, p.hg);
@@ -618,36 +636,25 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd(const Compo
     sums.w1[0][n] = sums.w1[1][n] = sums.w2[0][n] = sums.w2[1][n] = 0.f;
   }
   const int rows = t_end - t_begin;
-  auto stage = [&](int i) { return ring + (i % Stages) * p.stage_bytes; };
-  auto issue = [&](int i) {
-    if (i < rows) issue_step<T>(p, b, t_begin + i, t_end, s0, stage(i), 2, true);
-    hw::cp_async_commit();
-  };
-  for (int i = 0; i < Stages - 1; ++i) issue(i);
   for (int i = 0; i < rows; ++i) {
-    if constexpr (Stages > 1) {
-      hw::cp_async_wait<Stages - 2>();
-      __syncthreads();  // row i landed; every thread finished row i - 1
-      if (i > 0) store_step<T>(p, b, t_begin + i - 1, t_end, s0, stage(i - 1), 2, 1);
-      issue(i + Stages - 1);  // into row i - 1's stage, after this thread's own stores of it
-    } else {  // one stage (small shared memory): store row i - 1, then load row i into it
-      __syncthreads();  // every thread finished row i - 1
-      if (i > 0) store_step<T>(p, b, t_begin + i - 1, t_end, s0, stage(i - 1), 2, 1);
-      issue(i);
-      hw::cp_async_wait<0>();
-      __syncthreads();  // row i landed
-    }
+    // One stage: the CTA's other resident CTA (two per SM) computes while this one loads.
+    __syncthreads();  // every thread finished row i - 1
+    if (i > 0) store_step<T>(p, b, t_begin + i - 1, t_end, s0, stage, 2, 1);
+    issue_step<T>(p, b, t_begin + i, t_end, s0, stage, 2, true);  // after this thread's own stores
+    hw::cp_async_commit();
+    hw::cp_async_wait<0>();
+    __syncthreads();  // row i landed
     const int t = t_begin + i;
-    const StageRow<T> r = stage_row<T>(p, stage(i), 0, 2);
+    const StageRow<T> r = stage_row<T>(p, stage, 0, 2);
     float key_tot[4] = {0.f, 0.f, 0.f, 0.f};
     bwd_pass1<T>(p, r.tile0, r.tile1, r.qw, kwt, ends, grp_tot, key_tot);
     __syncthreads();  // every column's group totals
     bwd_passB<T>(p, r.tile0, r.tile1, grp_tot, b, t);
     __syncthreads();  // pass B read dy before pass 2 overwrites it with da
-    bwd_pass2<T>(p, r.tile0, r.tile1, r.qw, r.qg, kwt, kg, starts, grp_tot, key_tot, sums);
+    bwd_pass2<T>(p, r.tile0, r.tile1, r.qw, r.qg, kwt, kgt, starts, grp_tot, key_tot, sums);
   }
   __syncthreads();
-  if (rows > 0) store_step<T>(p, b, t_end - 1, t_end, s0, stage(rows - 1), 2, 1);
+  if (rows > 0) store_step<T>(p, b, t_end - 1, t_end, s0, stage, 2, 1);
   // The column sums, [128][5H | 1] through shared memory (kwt and the ring are dead once
   // every thread has stored its last da chunks), then coalesced rows of the key partial
   // [B * T, 5H] (the CTA's 128 columns are one contiguous run).

@@ -220,23 +220,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
     at::Tensor key_partials = at::empty({chunks, rows, len}, w1f.options());
     p.partials = query_partials.data_ptr<float>();
     p.key_partials = key_partials.data_ptr<float>();
-    // Key weights [2][H][128][2] floats, a ring of one-row stages, [G][4][128] group totals
-    // (~100 KiB at H = 32 bf16 with two stages: two CTAs per SM on sm_90); the
-    // [128][5H | 1] column sums reuse the whole buffer at the end. One stage where two do
-    // not fit the device (sm_86/89/120: 99 KiB).
-    const int64_t key_weights = H * kComposeColumns * 16;
-    auto bwd_smem = [&](int stages) {
-      return std::max<int64_t>(compose_layout(p, elem, 2, 1, stages, key_weights, column_block_bytes(H),
-                                              groups * kBwdGroupValues * kComposeColumns * 4, 0),
-                               static_cast<int64_t>(kComposeColumns) * (len | 1) * 4);
-    };
-    int stages = kComposeBwdStages;
-    int64_t smem = bwd_smem(stages);
-    if (smem > static_cast<int64_t>(hw::max_dynamic_smem_optin())) smem = bwd_smem(stages = 1);
+    // Key weights [2][H][128][2] + Gk [H][128] floats, one stage of one row, [G][4][128]
+    // group totals (~100 KiB at H = 32 bf16: two CTAs per SM on sm_90, one on sm_80 and on
+    // the 99 KiB parts); the [128][5H | 1] column sums reuse the whole buffer at the end.
+    const int64_t key_weights = H * kComposeColumns * 20;
+    const int64_t smem = std::max<int64_t>(
+        compose_layout(p, elem, 2, 1, 1, key_weights, 0, groups * kBwdGroupValues * kComposeColumns * 4, 0),
+        static_cast<int64_t>(kComposeColumns) * (len | 1) * 4);
     const unsigned reduce_blocks = static_cast<unsigned>((rows * len + kReduceThreads - 1) / kReduceThreads);
     dispatch_storage_dtype(a.scalar_type(), "dcmha_compose_backward", "a", [&](auto tag) {
       using T = decltype(tag);
-      auto kernel = stages > 1 ? &dcmha_compose_bwd<T, kComposeBwdStages> : &dcmha_compose_bwd<T, 1>;
+      auto kernel = &dcmha_compose_bwd<T>;
       hw::allow_dynamic_smem("dcmha_compose_backward", kernel, static_cast<size_t>(smem));
       HW_LAUNCH("dcmha_compose_bwd", kernel, grid, dim3(kComposeThreads), static_cast<size_t>(smem), p);
     });
