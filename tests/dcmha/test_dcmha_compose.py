@@ -34,6 +34,7 @@ def _fwd_bwd(fn, a, w, grad, **kw):
 @pytest.mark.parametrize("slot", ["pre", "post"])
 @pytest.mark.parametrize("b,h,t,groups", [
     (2, 2, 3, 1), (1, 4, 5, 2), (2, 8, 37, 1), (1, 16, 5, 4), (1, 32, 37, 1), (1, 3, 123, 1), (1, 8, 123, 8),
+    (2, 5, 5, 1), (1, 5, 37, 5), (1, 32, 123, 4), (1, 3, 3, 3),
 ])
 def test_matches_reference_fp32(backend, slot, b, h, t, groups):
     gen = torch.Generator().manual_seed(t + h)
