@@ -12,19 +12,61 @@
 //     dW2q[r,m] = sum pq[r] dy[m],  dW1q[r,n] = sum a[n] dpq[r]
 //   key-side grads (column s, summed over t): the same with pk, dpk.
 //
-// Kernels:
-//   dcmha_compose_fwd  block per (t, b), threads over s; the row's query weights in smem.
-//   dcmha_compose_bwd_query  block per (t, b), threads over s: da, and the query-side grads
-//     as per-thread partials reduced by hw::BlockSum (fixed order: deterministic).
-//   dcmha_compose_bwd_key  block per (64 columns, b), thread per column s looping over
-//     t in order: the key-side grads, with no reduction across threads (deterministic).
-// Per-thread head vectors are arrays of kMaxHeads floats (H <= 32).
+// Budget (bf16, H = 32, one group): ~20 FLOP per (t, s, head) forward, ~50 backward,
+// against 4 bytes (forward: a in, a' out) and 6 bytes (backward: a, dy in, da out) of
+// [B, H, T, S] traffic: 5-8 FLOP/byte, memory-bound on every GPU (H200: 4.1 TB/s HBM
+// against 67 TFLOP/s fp32). The weights are 160 floats per row t and per column s, i.e.
+// per element 5 query + 5 key weight floats: read from registers and shared memory, never
+// per element from global memory.
+//
+// Design, shared by the forward and the backward tile kernels: a CTA owns kComposeColumns
+// = 128 columns s0 + threadIdx.x (one per thread) of one batch row b and a chunk of
+// kComposeRows = 128 rows.
+//   - The key-side weights of the thread's column are loaded once per CTA (16-byte
+//     cp.async copies of the CTA's [128, 2H] / [128, H] weight blocks staged in shared
+//     memory): into registers (forward: kw1, kw2, kg, 5 kMaxHeads floats) or into a
+//     per-column shared array kwt (backward, whose registers hold the key-side gradient
+//     sums of the column).
+//   - The rows stream through a ring of shared-memory stages: per row, the [H, 128] tiles
+//     of a (and dy) by 16-byte cp.async (element-wise fallback when S * elem is not a
+//     multiple of 16 bytes or a tensor is misaligned), and the row's query weights by
+//     4-byte cp.async into the interleaved layout qw[n] = {W1[0,n], W1[1,n], W2[0,n],
+//     W2[1,n]} plus qg[n], read as broadcasts. The forward keeps two stages of 2 rows in
+//     flight behind the one it computes (one __syncthreads per stage); the backward loads
+//     one row at a time into its single stage (its registers and shared memory allow two
+//     CTAs per SM, which overlap each other's loads), four __syncthreads per row.
+//   - Per (t, s) the thread mixes the heads from shared memory (a[n] of its column:
+//     consecutive lanes, consecutive words, conflict-free) and registers: pass 1 the group
+//     projections, pass 2 the outputs, written in place into the tile, which the next step
+//     stores with 16-byte coalesced stores. Head groups: the group totals of pass 1 go to
+//     shared scratch [G][.][128] when G > 1 (registers when G = 1).
+//   - The backward makes one pass over a and dy. Pass B reduces the query-side gradients
+//     of each row over the CTA's 128 columns: a warp takes 8 heads x 4 column lanes (the
+//     tile's head rows are padded by 16 bytes so that these 32 lanes hit 32 banks), sums
+//     the columns in a fixed order and folds the 4 lanes by two xor shuffles; one [5H]
+//     partial per (column tile, t). The key-side gradients of a column are summed over the
+//     CTA's rows in registers; one [5H] partial per (row chunk, s).
+//   - dcmha_compose_reduce_partials sums the partials of the column tiles (query side) and
+//     of the row chunks (key side) in ascending order: deterministic, no atomics,
+//     independent of the scheduling.
+// Per-thread head arrays are kMaxHeads floats (H <= 32), indexed by unrolled loops only.
 #pragma once
 
 #include "../common/block_reduce.cuh"
+#include "../common/mma_primitives.cuh"
 #include "../common/simt_portability.h"
+#include "../common/vec.cuh"
 
 #include <cstdint>
+
+// Full unrolling of the constant-trip copy loops. The emulator's host compiler does not
+// know `#pragma unroll`; unrolled, each load of a stage has its own call site, which the
+// profile library needs to see the stage's loads as in flight together.
+#if HW_SIM
+#define COMPOSE_UNROLL _Pragma("GCC unroll 64")
+#else
+#define COMPOSE_UNROLL _Pragma("unroll")
+#endif
 
 namespace headwise {
 namespace dcmha {
@@ -32,7 +74,11 @@ namespace dcmha {
 constexpr int kMaxHeads = 32;
 constexpr int kR = 2;
 constexpr int kComposeThreads = 128;
-constexpr int kKeyColumns = 64;
+constexpr int kComposeColumns = kComposeThreads;  // one column s per thread
+constexpr int kComposeRows = 128;                 // rows t per CTA
+constexpr int kComposeStages = 3;                 // forward ring depth
+constexpr int kGradFields = 5;                    // dG [H], dW1 [R, H], dW2 [R, H] per row / column
+constexpr int kMaxStepRows = 2;                   // rows per ring stage, at most
 
 struct ComposeParams {
   const void* a;      // [B, H, T, T] contiguous, storage dtype
@@ -44,8 +90,18 @@ struct ComposeParams {
   float* dw1;         // backward: [B, T, 4, R, H] (slots cq and ck written)
   float* dw2;
   float* dg;
-  int T, H, hg;       // hg = H / head_groups
+  float* partials;    // backward: [column tiles, B * T, 5H] query-side gradient partials
+  float* key_partials;  // backward: [row chunks, B * T, 5H] key-side gradient partials
+  int B, T, H, hg;    // hg = H / head_groups
   int cq, ck;
+  int vec16;          // 1: the tiles move in 16-byte chunks (S * elem % 16 == 0, 16-byte aligned)
+  int wvec16;         // 1: w1, w2, g are 16-byte aligned (their column blocks move in 16-byte chunks)
+  int pitch;          // elements per head row of a staged tile: tile_pitch<T>() (host layout)
+  int tile_bytes;     // H * pitch * elem
+  int row_bytes;      // one row of a stage: its tiles, qw [H][4] and qg [H] floats
+  int rows_per_step;  // rows per ring stage
+  int stage_bytes;    // rows_per_step * row_bytes
+  int scratch_offset; // bytes: after the ring (or the key weights); group totals
 };
 
 __device__ __forceinline__ int64_t w_off(const ComposeParams& p, int b, int t, int c) {
@@ -55,155 +111,603 @@ __device__ __forceinline__ int64_t g_off(const ComposeParams& p, int b, int t, i
   return ((static_cast<int64_t>(b) * p.T + t) * 4 + c) * p.H;
 }
 
-// The query weights of row t: loaded into smem as w1q [R H], w2q [R H], gq [H] and
-// returned as pointers into it.
-struct QueryWeights {
-  const float* w1;
-  const float* w2;
-  const float* g;
-};
+// Elements per head row of a staged [H, 128] tile: 128 + 16 bytes of padding (16-byte
+// aligned rows for cp.async; the pass-B lanes of 8 heads then start in 8 distinct bank
+// groups). A constant, so that every head row's offset is an immediate.
+template <typename T>
+__device__ __forceinline__ constexpr int tile_pitch() {
+  return kComposeColumns + 16 / static_cast<int>(sizeof(T));
+}
 
-__device__ __forceinline__ QueryWeights load_query_weights(const ComposeParams& p, int b, int t, float* smem) {
+// Bit n set where head n ends (starts) its group of hg heads.
+__device__ __forceinline__ uint32_t group_end_mask(int H, int hg) {
+  uint32_t m = 0;
+  for (int n = hg - 1; n < H; n += hg) m |= 1u << n;
+  return m;
+}
+__device__ __forceinline__ uint32_t group_start_mask(int H, int hg) {
+  uint32_t m = 0;
+  for (int n = 0; n < H; n += hg) m |= 1u << n;
+  return m;
+}
+
+// Copies a [kComposeColumns, len] block of per-column weights (column s at src + s * stride,
+// len contiguous floats, s in [s0, s0 + 128), zero beyond T) into smem rows of
+// column_pitch(len) floats. With len % 4 == 0 (the columns are then 16-byte aligned):
+// 16-byte cp.async, every copy of a thread issued before the wait, pitch len + 4 (the
+// 16-byte column reads of a quarter-warp then hit distinct bank groups); else 4-byte loads,
+// pitch len | 1 (odd: conflict-free column reads). Coalesced on the global side.
+__device__ __forceinline__ int column_pitch(int len) { return len % 4 == 0 ? len + 4 : (len | 1); }
+// (an unaligned block with len % 4 == 0 keeps the pitch len + 4: its reads are then 4-way
+// conflicted, a fallback only)
+
+template <int MaxLen>
+__device__ __forceinline__ void stage_column_block(const float* src, int64_t stride, int len, int s0, int T,
+                                                   bool aligned, float* dst) {
+  const int pitch = column_pitch(len);
+  if (len % 4 == 0 && aligned) {
+    constexpr int kPerThread = kComposeColumns * MaxLen / 4 / kComposeThreads;
+    const int quads = len / 4;
+    COMPOSE_UNROLL
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = threadIdx.x + k * kComposeThreads;
+      if (i < kComposeColumns * quads) {
+        const int c = i / quads, j = (i - c * quads) * 4, s = s0 + c;
+        const bool in = s < T;
+        hw::cp_async_ca<16>(dst + c * pitch + j, in ? src + s * stride + j : src, in ? 16 : 0);
+      }
+    }
+    hw::cp_async_wait_all();
+  } else {
+    for (int i = threadIdx.x; i < kComposeColumns * len; i += blockDim.x) {
+      const int c = i / len, j = i - c * len, s = s0 + c;
+      dst[c * pitch + j] = s < T ? src[s * stride + j] : 0.f;
+    }
+  }
+}
+
+// Element j of this thread's column of a block staged by stage_column_block.
+__device__ __forceinline__ float column_value(const float* staged, int len, int j) {
+  return staged[threadIdx.x * column_pitch(len) + j];
+}
+
+// Four consecutive floats of shared memory (16-byte aligned) in one 16-byte access.
+struct Quad {
+  float x, y, z, w;
+};
+__device__ __forceinline__ Quad load_quad(const float* p) {
+  const hw::Pack<float, 4> v = hw::load_pack<float, 4>(p);
+  return {v.v[0], v.v[1], v.v[2], v.v[3]};
+}
+
+__device__ __forceinline__ int odd_pitch(int len) { return len | 1; }
+
+// The key-side weights of this thread's column (slot ck) into registers, staged through
+// `stage` (at least 128 (2H + 4) floats of shared memory).
+__device__ __forceinline__ void load_column_weights(const ComposeParams& p, int b, int s0, float* stage,
+                                                    float (&kw1)[kR][kMaxHeads], float (&kw2)[kR][kMaxHeads],
+                                                    float (&kg)[kMaxHeads]) {
+  const int H = p.H;
+  const int64_t wstride = 4 * kR * H;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const float* src = (k == 0 ? p.w1 : p.w2) + w_off(p, b, 0, p.ck);
+    stage_column_block<kR * kMaxHeads>(src, wstride, kR * H, s0, p.T, p.wvec16, stage);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kR; ++r)
+#pragma unroll
+      for (int n = 0; n < kMaxHeads; ++n) {
+        const float v = n < H ? column_value(stage, kR * H, r * H + n) : 0.f;
+        if (k == 0) kw1[r][n] = v;
+        else kw2[r][n] = v;
+      }
+    __syncthreads();
+  }
+  stage_column_block<kMaxHeads>(p.g + g_off(p, b, 0, p.ck), 4 * H, H, s0, p.T, p.wvec16, stage);
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < kMaxHeads; ++n) kg[n] = n < H ? column_value(stage, H, n) : 0.f;
+  __syncthreads();
+}
+
+// Row t's [H, 128] tile of `src` (columns s0 + [0, 128), zero beyond T) into `tile`
+// (pitch elements per head row). Thread-exact: the thread that stores a chunk back in
+// store_tile is the one that loads it here, so a stage may be refilled right after its
+// store without another barrier.
+template <typename T>
+__device__ __forceinline__ void issue_tile(const ComposeParams& p, const void* base, int b, int t, int s0, T* tile) {
+  const int S = p.T;
+  const int64_t head_stride = static_cast<int64_t>(S) * S;
+  const T* row = static_cast<const T*>(base) + static_cast<int64_t>(b) * p.H * head_stride +
+                 static_cast<int64_t>(t) * S;
+  if (p.vec16) {
+    constexpr int kElems = 16 / static_cast<int>(sizeof(T));
+    constexpr int kChunks = kComposeColumns / kElems;
+    constexpr int kPerThread = kMaxHeads * kChunks / kComposeThreads;
+    COMPOSE_UNROLL
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = threadIdx.x + k * kComposeThreads;
+      if (i < p.H * kChunks) {
+        const int n = i / kChunks, c = (i - n * kChunks) * kElems, s = s0 + c;
+        const bool in = s < S;  // S is a multiple of kElems: a chunk is all in or all out
+        hw::cp_async_cg16(tile + n * tile_pitch<T>() + c, in ? row + n * head_stride + s : row, in ? 16 : 0);
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < p.H * kComposeColumns; i += blockDim.x) {
+      const int n = i / kComposeColumns, c = i - n * kComposeColumns, s = s0 + c;
+      tile[n * tile_pitch<T>() + c] = s < S ? row[n * head_stride + s] : T(0.f);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_tile(const ComposeParams& p, void* base, int b, int t, int s0, const T* tile) {
+  const int S = p.T;
+  const int64_t head_stride = static_cast<int64_t>(S) * S;
+  T* row = static_cast<T*>(base) + static_cast<int64_t>(b) * p.H * head_stride + static_cast<int64_t>(t) * S;
+  if (p.vec16) {
+    constexpr int kElems = 16 / static_cast<int>(sizeof(T));
+    constexpr int kChunks = kComposeColumns / kElems;
+    constexpr int kPerThread = kMaxHeads * kChunks / kComposeThreads;
+    COMPOSE_UNROLL
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = threadIdx.x + k * kComposeThreads;
+      if (i < p.H * kChunks) {
+        const int n = i / kChunks, c = (i - n * kChunks) * kElems, s = s0 + c;
+        if (s < S)
+          hw::store_pack<T, kElems>(row + n * head_stride + s, hw::load_pack<T, kElems>(tile + n * tile_pitch<T>() + c));
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < p.H * kComposeColumns; i += blockDim.x) {
+      const int n = i / kComposeColumns, c = i - n * kComposeColumns, s = s0 + c;
+      if (s < S) row[n * head_stride + s] = tile[n * tile_pitch<T>() + c];
+    }
+  }
+}
+
+// Row t's query weights (slot cq) into qw [H][4] = {W1[0,n], W1[1,n], W2[0,n], W2[1,n]}
+// and qg [H], by 4-byte cp.async (coalesced on the global side).
+__device__ __forceinline__ void issue_query_weights(const ComposeParams& p, int b, int t, float* qw, float* qg) {
+  const int H = p.H;
   const float* w1 = p.w1 + w_off(p, b, t, p.cq);
   const float* w2 = p.w2 + w_off(p, b, t, p.cq);
   const float* g = p.g + g_off(p, b, t, p.cq);
-  for (int i = threadIdx.x; i < kR * p.H; i += blockDim.x) {
-    smem[i] = w1[i];
-    smem[kR * p.H + i] = w2[i];
+  constexpr int kPerThread = (5 * kMaxHeads + kComposeThreads - 1) / kComposeThreads;
+  COMPOSE_UNROLL
+  for (int k = 0; k < kPerThread; ++k) {
+    const int i = threadIdx.x + k * kComposeThreads;
+    if (i >= 5 * H) {
+      // beyond the row's 5H weights
+    } else if (i < 2 * H) {
+      const int r = i / H, n = i - r * H;
+      hw::cp_async_ca<4>(qw + 4 * n + r, w1 + i);
+    } else if (i < 4 * H) {
+      const int j = i - 2 * H, r = j / H, n = j - r * H;
+      hw::cp_async_ca<4>(qw + 4 * n + 2 + r, w2 + j);
+    } else {
+      hw::cp_async_ca<4>(qg + (i - 4 * H), g + (i - 4 * H));
+    }
   }
-  for (int i = threadIdx.x; i < p.H; i += blockDim.x) smem[2 * kR * p.H + i] = g[i];
-  __syncthreads();
-  return {smem, smem + kR * p.H, smem + 2 * kR * p.H};
 }
 
+// One row of a stage: tiles (ntiles of them), qw, qg.
+template <typename T>
+struct StageRow {
+  T* tile0;
+  T* tile1;
+  float* qw;   // [H][4]
+  float* qg;
+};
+
+template <typename T>
+__device__ __forceinline__ StageRow<T> stage_row(const ComposeParams& p, unsigned char* stage, int j, int ntiles) {
+  unsigned char* r = stage + j * p.row_bytes;
+  StageRow<T> out;
+  out.tile0 = reinterpret_cast<T*>(r);
+  out.tile1 = reinterpret_cast<T*>(r + p.tile_bytes);
+  out.qw = reinterpret_cast<float*>(r + ntiles * p.tile_bytes);
+  out.qg = reinterpret_cast<float*>(r + ntiles * p.tile_bytes + 16 * p.H);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward.
+// ---------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ void compose_row_fwd(const ComposeParams& p, T* xs, const float* qw, const float* qg,
+                                                const float (&kw1)[kR][kMaxHeads], const float (&kw2)[kR][kMaxHeads],
+                                                const float (&kg)[kMaxHeads], uint32_t ends, uint32_t starts,
+                                                float* scratch) {
+  const int H = p.H, c = threadIdx.x;
+  constexpr int pitch = tile_pitch<T>();
+  const bool grouped = p.hg < H;
+  // Pass 1: per group, pq = W1q a and pk = W1k a; tot holds the current group's totals.
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, tot[4] = {0.f, 0.f, 0.f, 0.f};
+  int grp = 0;
+#pragma unroll
+  for (int n = 0; n < kMaxHeads; ++n) {
+    if (n < H) {
+      const float x = static_cast<float>(xs[n * pitch + c]);
+      const Quad q = load_quad(qw + 4 * n);
+      acc[0] += q.x * x;
+      acc[1] += q.y * x;
+      acc[2] += kw1[0][n] * x;
+      acc[3] += kw1[1][n] * x;
+      if ((ends >> n) & 1u) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          tot[k] = acc[k];
+          if (grouped) scratch[(grp * 4 + k) * kComposeColumns + c] = acc[k];
+          acc[k] = 0.f;
+        }
+        ++grp;
+      }
+    }
+  }
+  // Pass 2: y[m] = a[m] (1 + Gq + Gk) + sum_r W2q[r,m] pq[r] + W2k[r,m] pk[r], in place.
+  grp = 0;
+#pragma unroll
+  for (int m = 0; m < kMaxHeads; ++m) {
+    if (m < H) {
+      if (grouped && ((starts >> m) & 1u)) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) tot[k] = scratch[(grp * 4 + k) * kComposeColumns + c];
+        ++grp;
+      }
+      const float x = static_cast<float>(xs[m * pitch + c]);
+      const Quad q = load_quad(qw + 4 * m);
+      float y = x * (1.f + qg[m] + kg[m]);
+      y += q.z * tot[0] + kw2[0][m] * tot[2];
+      y += q.w * tot[1] + kw2[1][m] * tot[3];
+      xs[m * pitch + c] = static_cast<T>(y);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void issue_step(const ComposeParams& p, int b, int t0, int t_end, int s0,
+                                           unsigned char* stage, int ntiles, bool query_weights) {
+  COMPOSE_UNROLL
+  for (int j = 0; j < kMaxStepRows; ++j) {
+    if (j >= p.rows_per_step || t0 + j >= t_end) break;
+    const StageRow<T> r = stage_row<T>(p, stage, j, ntiles);
+    issue_tile<T>(p, p.a, b, t0 + j, s0, r.tile0);
+    if (ntiles > 1) issue_tile<T>(p, p.grad, b, t0 + j, s0, r.tile1);
+    if (query_weights) issue_query_weights(p, b, t0 + j, r.qw, r.qg);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_step(const ComposeParams& p, int b, int t0, int t_end, int s0,
+                                           unsigned char* stage, int ntiles, int which) {
+  for (int j = 0; j < p.rows_per_step && t0 + j < t_end; ++j) {
+    const StageRow<T> r = stage_row<T>(p, stage, j, ntiles);
+    store_tile<T>(p, p.out, b, t0 + j, s0, which == 0 ? r.tile0 : r.tile1);
+  }
+}
+
+// grid (ceil(T / 128) column tiles, ceil(T / 128) row chunks, B), 128 threads.
 template <typename T>
 __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_fwd(const ComposeParams p) {
-  const int t = blockIdx.x, b = blockIdx.y, H = p.H, TT = p.T;
-  float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
-  const auto [qw1, qw2, qg] = load_query_weights(p, b, t, smem);
-  const int64_t head_stride = static_cast<int64_t>(TT) * TT;
-  const T* a = static_cast<const T*>(p.a) + static_cast<int64_t>(b) * H * head_stride + static_cast<int64_t>(t) * TT;
-  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * H * head_stride + static_cast<int64_t>(t) * TT;
-  for (int s = threadIdx.x; s < TT; s += blockDim.x) {
-    const float* kw1 = p.w1 + w_off(p, b, s, p.ck);
-    const float* kw2 = p.w2 + w_off(p, b, s, p.ck);
-    const float* kg = p.g + g_off(p, b, s, p.ck);
-    float x[kMaxHeads];
-    for (int n = 0; n < H; ++n) x[n] = static_cast<float>(a[n * head_stride + s]);
-    for (int g0 = 0; g0 < H; g0 += p.hg) {
-      float pq[kR] = {0.f, 0.f}, pk[kR] = {0.f, 0.f};
-      for (int n = g0; n < g0 + p.hg; ++n)
-        for (int r = 0; r < kR; ++r) {
-          pq[r] += qw1[r * H + n] * x[n];
-          pk[r] += kw1[r * H + n] * x[n];
-        }
-      for (int m = g0; m < g0 + p.hg; ++m) {
-        float y = x[m] * (1.f + qg[m] + kg[m]);
-        for (int r = 0; r < kR; ++r) y += qw2[r * H + m] * pq[r] + kw2[r * H + m] * pk[r];
-        out[m * head_stride + s] = static_cast<T>(y);
+  const int s0 = blockIdx.x * kComposeColumns, b = blockIdx.z;
+  const int t_begin = blockIdx.y * kComposeRows, t_end = min(p.T, t_begin + kComposeRows);
+  unsigned char* smem = hw::dynamic_shared_memory();
+  float* scratch = reinterpret_cast<float*>(smem + p.scratch_offset);
+  float kw1[kR][kMaxHeads], kw2[kR][kMaxHeads], kg[kMaxHeads];
+  load_column_weights(p, b, s0, reinterpret_cast<float*>(smem), kw1, kw2, kg);
+  const uint32_t ends = group_end_mask(p.H, p.hg), starts = group_start_mask(p.H, p.hg);
+  const int step_rows = p.rows_per_step;
+  const int steps = (t_end - t_begin + step_rows - 1) / step_rows;
+  auto stage = [&](int i) { return smem + (i % kComposeStages) * p.stage_bytes; };
+  for (int i = 0; i < kComposeStages - 1; ++i) {
+    if (i < steps) issue_step<T>(p, b, t_begin + i * step_rows, t_end, s0, stage(i), 1, true);
+    hw::cp_async_commit();
+  }
+  for (int i = 0; i < steps; ++i) {
+    hw::cp_async_wait<kComposeStages - 2>();
+    __syncthreads();  // step i landed; every thread finished step i - 1
+    if (i > 0) store_step<T>(p, b, t_begin + (i - 1) * step_rows, t_end, s0, stage(i - 1), 1, 0);
+    if (i + kComposeStages - 1 < steps)
+      issue_step<T>(p, b, t_begin + (i + kComposeStages - 1) * step_rows, t_end, s0, stage(i + kComposeStages - 1), 1,
+                    true);
+    hw::cp_async_commit();
+    const int t0 = t_begin + i * step_rows;
+    for (int j = 0; j < step_rows && t0 + j < t_end; ++j) {
+      const StageRow<T> r = stage_row<T>(p, stage(i), j, 1);
+      compose_row_fwd<T>(p, r.tile0, r.qw, r.qg, kw1, kw2, kg, ends, starts, scratch);
+    }
+  }
+  __syncthreads();
+  if (steps > 0) store_step<T>(p, b, t_begin + (steps - 1) * step_rows, t_end, s0, stage(steps - 1), 1, 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward, one pass over a and dy: da, the query-side and the key-side gradients.
+// ---------------------------------------------------------------------------------------
+// Query-side group totals of a (t, s) kept by pass 1 for pass B: [G][4][128] floats.
+constexpr int kBwdGroupValues = 4;  // pq0, pq1, dpq0, dpq1
+
+// Pass 1 of row t, this thread's column: per group pq = W1q a, dpq = W2q dy into grp_tot
+// (read by pass B for every column and by pass 2), and dpk = W2k dy, pk = W1k a, returned
+// in key_tot for the last group (the only one when G = 1; pass 2 recomputes them per group
+// when G > 1, from shared memory).
+template <typename T>
+__device__ __forceinline__ void bwd_pass1(const ComposeParams& p, const T* xs, const T* dys, const float* qw,
+                                          const float* kwt, uint32_t ends, float* grp_tot, float (&key_tot)[4]) {
+  const int H = p.H, c = threadIdx.x;
+  constexpr int pitch = tile_pitch<T>();
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int grp = 0;
+#pragma unroll
+  for (int n = 0; n < kMaxHeads; ++n) {
+    if (n < H) {
+      const float x = static_cast<float>(xs[n * pitch + c]);
+      const float dy = static_cast<float>(dys[n * pitch + c]);
+      const Quad q = load_quad(qw + 4 * n);
+      const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 2 * (n * kComposeColumns + c));
+      const hw::Pack<float, 2> kw2 = hw::load_pack<float, 2>(kwt + 2 * ((H + n) * kComposeColumns + c));
+      acc[0] += q.x * x;
+      acc[1] += q.y * x;
+      acc[2] += q.z * dy;
+      acc[3] += q.w * dy;
+      acc[4] += kw2.v[0] * dy;
+      acc[5] += kw2.v[1] * dy;
+      acc[6] += kw1.v[0] * x;
+      acc[7] += kw1.v[1] * x;
+      if ((ends >> n) & 1u) {
+#pragma unroll
+        for (int k = 0; k < kBwdGroupValues; ++k) grp_tot[(grp * kBwdGroupValues + k) * kComposeColumns + c] = acc[k];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) key_tot[k] = acc[4 + k];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+        ++grp;
       }
     }
   }
 }
 
+// The key-side gradient sums of this thread's column over the CTA's rows.
+struct KeyGradSums {
+  float g[kMaxHeads];
+  float w1[kR][kMaxHeads];
+  float w2[kR][kMaxHeads];
+};
+
+// Pass 2 of row t, this thread's column: da[n] = dy[n] (1 + Gq + Gk) + sum_r W1q[r,n] dpq[r]
+// + W1k[r,n] dpk[r], written in place over dy; and the key-side sums dGk += a dy,
+// dW1k[r] += a dpk[r], dW2k[r] += pk[r] dy.
 template <typename T>
-__global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd_query(const ComposeParams p) {
-  const int t = blockIdx.x, b = blockIdx.y, H = p.H, TT = p.T;
-  float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
-  const auto [qw1, qw2, qg] = load_query_weights(p, b, t, smem);
-  hw::BlockSum block_sum(smem + 2 * kR * H + H);
-  const int64_t head_stride = static_cast<int64_t>(TT) * TT;
-  const int64_t base = static_cast<int64_t>(b) * H * head_stride + static_cast<int64_t>(t) * TT;
-  const T* a = static_cast<const T*>(p.a) + base;
-  const T* dy_p = static_cast<const T*>(p.grad) + base;
-  T* da = static_cast<T*>(p.out) + base;
-  // Per-thread partials: [0, H) dGq, [H, 3H) dW1q[r][n], [3H, 5H) dW2q[r][m].
-  float part[5 * kMaxHeads];
-  for (int i = 0; i < 5 * H; ++i) part[i] = 0.f;
-  for (int s = threadIdx.x; s < TT; s += blockDim.x) {
-    const float* kw1 = p.w1 + w_off(p, b, s, p.ck);
-    const float* kw2 = p.w2 + w_off(p, b, s, p.ck);
-    const float* kg = p.g + g_off(p, b, s, p.ck);
-    float x[kMaxHeads], dy[kMaxHeads];
-    for (int n = 0; n < H; ++n) {
-      x[n] = static_cast<float>(a[n * head_stride + s]);
-      dy[n] = static_cast<float>(dy_p[n * head_stride + s]);
-    }
-    for (int g0 = 0; g0 < H; g0 += p.hg) {
-      float pq[kR] = {0.f, 0.f}, dpq[kR] = {0.f, 0.f}, dpk[kR] = {0.f, 0.f};
-      for (int n = g0; n < g0 + p.hg; ++n)
-        for (int r = 0; r < kR; ++r) {
-          pq[r] += qw1[r * H + n] * x[n];
-          dpq[r] += qw2[r * H + n] * dy[n];
-          dpk[r] += kw2[r * H + n] * dy[n];
+__device__ __forceinline__ void bwd_pass2(const ComposeParams& p, const T* xs, T* dys, const float* qw,
+                                          const float* qg, const float* kwt, const float* kgt,
+                                          uint32_t starts, const float* grp_tot, const float (&key_tot)[4],
+                                          KeyGradSums& sums) {
+  const int H = p.H, c = threadIdx.x, hg = p.hg;
+  constexpr int pitch = tile_pitch<T>();
+  const bool grouped = hg < H;
+  float dpq0 = 0.f, dpq1 = 0.f;
+  float dpk0 = key_tot[0], dpk1 = key_tot[1], pk0 = key_tot[2], pk1 = key_tot[3];
+  int grp = 0;
+#pragma unroll
+  for (int n = 0; n < kMaxHeads; ++n) {
+    if (n < H) {
+      if ((starts >> n) & 1u) {
+        const float* gt = grp_tot + grp * kBwdGroupValues * kComposeColumns + c;
+        dpq0 = gt[2 * kComposeColumns];
+        dpq1 = gt[3 * kComposeColumns];
+        ++grp;
+        if (grouped) {  // this group's key-side totals, in pass 1's order
+          dpk0 = dpk1 = pk0 = pk1 = 0.f;
+          for (int m = n; m < n + hg; ++m) {
+            const float x = static_cast<float>(xs[m * pitch + c]);
+            const float dy = static_cast<float>(dys[m * pitch + c]);
+            const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 2 * (m * kComposeColumns + c));
+            const hw::Pack<float, 2> kw2 = hw::load_pack<float, 2>(kwt + 2 * ((H + m) * kComposeColumns + c));
+            dpk0 += kw2.v[0] * dy;
+            dpk1 += kw2.v[1] * dy;
+            pk0 += kw1.v[0] * x;
+            pk1 += kw1.v[1] * x;
+          }
         }
-      for (int n = g0; n < g0 + p.hg; ++n) {
-        float d = dy[n] * (1.f + qg[n] + kg[n]);
-        for (int r = 0; r < kR; ++r) {
-          d += qw1[r * H + n] * dpq[r] + kw1[r * H + n] * dpk[r];
-          part[H + r * H + n] += x[n] * dpq[r];
-          part[3 * H + r * H + n] += pq[r] * dy[n];
-        }
-        part[n] += x[n] * dy[n];
-        da[n * head_stride + s] = static_cast<T>(d);
       }
-    }
-  }
-  float* dg = p.dg + g_off(p, b, t, p.cq);
-  float* dw1 = p.dw1 + w_off(p, b, t, p.cq);
-  float* dw2 = p.dw2 + w_off(p, b, t, p.cq);
-  for (int i = 0; i < 5 * H; ++i) {
-    const float total = block_sum(part[i]);
-    if (threadIdx.x == 0) {
-      if (i < H) dg[i] = total;
-      else if (i < 3 * H) dw1[i - H] = total;
-      else dw2[i - 3 * H] = total;
+      const float x = static_cast<float>(xs[n * pitch + c]);
+      const float dy = static_cast<float>(dys[n * pitch + c]);
+      const Quad q = load_quad(qw + 4 * n);
+      const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 2 * (n * kComposeColumns + c));
+      float d = dy * (1.f + qg[n] + kgt[n * kComposeColumns + c]);
+      d += q.x * dpq0 + kw1.v[0] * dpk0;
+      d += q.y * dpq1 + kw1.v[1] * dpk1;
+      dys[n * pitch + c] = static_cast<T>(d);
+      sums.g[n] += x * dy;
+      sums.w1[0][n] += x * dpk0;
+      sums.w1[1][n] += x * dpk1;
+      sums.w2[0][n] += pk0 * dy;
+      sums.w2[1][n] += pk1 * dy;
     }
   }
 }
 
+// Pass B of row t: the query-side gradient sums over the CTA's 128 columns. Warp w takes
+// heads 8w + lane / 4; the 4 lanes of a head take column pairs lane % 4, +4, +8, ... and
+// are folded by xor shuffles (fixed order). Writes the CTA's [5H] partial of row t.
 template <typename T>
-__global__ void __launch_bounds__(kKeyColumns) dcmha_compose_bwd_key(const ComposeParams p) {
-  const int s = blockIdx.x * kKeyColumns + threadIdx.x, b = blockIdx.y, H = p.H, TT = p.T;
-  if (s >= TT) return;
-  const float* kw1 = p.w1 + w_off(p, b, s, p.ck);
-  const float* kw2 = p.w2 + w_off(p, b, s, p.ck);
-  const int64_t head_stride = static_cast<int64_t>(TT) * TT;
-  float part[5 * kMaxHeads];
-  for (int i = 0; i < 5 * H; ++i) part[i] = 0.f;
-  for (int t = 0; t < TT; ++t) {
-    const int64_t base = static_cast<int64_t>(b) * H * head_stride + static_cast<int64_t>(t) * TT + s;
-    const T* a = static_cast<const T*>(p.a) + base;
-    const T* dy_p = static_cast<const T*>(p.grad) + base;
-    float x[kMaxHeads], dy[kMaxHeads];
-    for (int n = 0; n < H; ++n) {
-      x[n] = static_cast<float>(a[n * head_stride]);
-      dy[n] = static_cast<float>(dy_p[n * head_stride]);
+__device__ __forceinline__ void bwd_passB(const ComposeParams& p, const T* xs, const T* dys, const float* grp_tot,
+                                          int b, int t) {
+  const int H = p.H, lane = threadIdx.x & 31;
+  constexpr int pitch = tile_pitch<T>();
+  const int n = (threadIdx.x >> 5) * 8 + (lane >> 2), quarter = lane & 3;
+  float dg = 0.f, dw1_0 = 0.f, dw1_1 = 0.f, dw2_0 = 0.f, dw2_1 = 0.f;
+  if (n < H) {
+    const float* gt = grp_tot + (n / p.hg) * kBwdGroupValues * kComposeColumns;
+    const T* xr = xs + n * pitch;
+    const T* dyr = dys + n * pitch;
+    for (int pair = quarter; pair < kComposeColumns / 2; pair += 4) {
+      const int s = 2 * pair;
+      const hw::Pack<T, 2> xp = hw::load_pack<T, 2>(xr + s);
+      const hw::Pack<T, 2> dp = hw::load_pack<T, 2>(dyr + s);
+      const hw::Pack<float, 2> pq0 = hw::load_pack<float, 2>(gt + 0 * kComposeColumns + s);
+      const hw::Pack<float, 2> pq1 = hw::load_pack<float, 2>(gt + 1 * kComposeColumns + s);
+      const hw::Pack<float, 2> dpq0 = hw::load_pack<float, 2>(gt + 2 * kComposeColumns + s);
+      const hw::Pack<float, 2> dpq1 = hw::load_pack<float, 2>(gt + 3 * kComposeColumns + s);
+      const float x0 = static_cast<float>(xp.v[0]), x1 = static_cast<float>(xp.v[1]);
+      const float d0 = static_cast<float>(dp.v[0]), d1 = static_cast<float>(dp.v[1]);
+      dg += x0 * d0 + x1 * d1;
+      dw1_0 += x0 * dpq0.v[0] + x1 * dpq0.v[1];
+      dw1_1 += x0 * dpq1.v[0] + x1 * dpq1.v[1];
+      dw2_0 += pq0.v[0] * d0 + pq0.v[1] * d1;
+      dw2_1 += pq1.v[0] * d0 + pq1.v[1] * d1;
     }
-    for (int g0 = 0; g0 < H; g0 += p.hg) {
-      float pk[kR] = {0.f, 0.f}, dpk[kR] = {0.f, 0.f};
-      for (int n = g0; n < g0 + p.hg; ++n)
-        for (int r = 0; r < kR; ++r) {
-          pk[r] += kw1[r * H + n] * x[n];
-          dpk[r] += kw2[r * H + n] * dy[n];
-        }
-      for (int n = g0; n < g0 + p.hg; ++n) {
-        part[n] += x[n] * dy[n];
-        for (int r = 0; r < kR; ++r) {
-          part[H + r * H + n] += x[n] * dpk[r];
-          part[3 * H + r * H + n] += pk[r] * dy[n];
+  }
+  float v[kGradFields] = {dg, dw1_0, dw1_1, dw2_0, dw2_1};
+#pragma unroll
+  for (int k = 0; k < kGradFields; ++k) {
+    v[k] += __shfl_xor_sync(0xffffffffu, v[k], 1);
+    v[k] += __shfl_xor_sync(0xffffffffu, v[k], 2);
+  }
+  if (n < H && quarter == 0) {
+    float* out = p.partials + ((static_cast<int64_t>(blockIdx.x) * p.B + b) * p.T + t) * kGradFields * H;
+    out[n] = v[0];
+    out[H + n] = v[1];
+    out[2 * H + n] = v[2];
+    out[3 * H + n] = v[3];
+    out[4 * H + n] = v[4];
+  }
+}
+
+// grid (ceil(T / 128) column tiles, ceil(T / 128) row chunks, B), 128 threads, two CTAs
+// per SM at H = 32 (255 registers would spill with the column's Gk in registers too; ~100
+// KiB of shared memory). Shared: kwt [2][H][128][2] floats = {W1k[0,n], W1k[1,n]} and
+// {W2k[0,n], W2k[1,n]} of the CTA's columns (8 bytes per lane, consecutive lanes
+// consecutive; pass 2 reads only the W1k plane), kgt [H][128] = Gk, one stage of one row
+// (a and dy tiles, query weights), group totals [G][4][128]; registers: the column's
+// key-side gradient sums. Per row: load, pass 1, barrier, pass B, barrier (pass B reads
+// dy), pass 2 (da over dy), barrier, store da.
+// Writes p.partials [column tiles, B * T, 5H] (query side, one row per CTA and t) and
+// p.key_partials [row chunks, B * T, 5H] (key side, one row per CTA and s).
+template <typename T>
+__global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd(const ComposeParams p) {
+  const int s0 = blockIdx.x * kComposeColumns, b = blockIdx.z, c = threadIdx.x, H = p.H;
+  const int t_begin = blockIdx.y * kComposeRows, t_end = min(p.T, t_begin + kComposeRows);
+  unsigned char* smem = hw::dynamic_shared_memory();
+  float* kwt = reinterpret_cast<float*>(smem);
+  float* kgt = kwt + 4 * H * kComposeColumns;
+  unsigned char* stage = smem + static_cast<int64_t>(H) * kComposeColumns * 20;
+  float* grp_tot = reinterpret_cast<float*>(smem + p.scratch_offset);
+  {
+    // kwt and kgt by 4-byte cp.async straight from the coalesced runs of w1, w2 ([128, 2H])
+    // and g ([128, H]), every copy issued before the wait.
+    const int len = kR * H;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float* src = (k == 0 ? p.w1 : p.w2) + w_off(p, b, 0, p.ck);
+      COMPOSE_UNROLL
+      for (int q = 0; q < kR * kMaxHeads; ++q) {
+        const int i = threadIdx.x + q * kComposeThreads;
+        if (i < kComposeColumns * len) {
+          const int cc = i / len, j = i - cc * len, r = j / H, n = j - r * H, s = s0 + cc;
+          const bool in = s < p.T;
+          hw::cp_async_ca<4>(kwt + 2 * ((k * H + n) * kComposeColumns + cc) + r,
+                             in ? src + static_cast<int64_t>(s) * 4 * len + j : src, in ? 4 : 0);
         }
       }
     }
+    const float* g = p.g + g_off(p, b, 0, p.ck);
+    COMPOSE_UNROLL
+    for (int q = 0; q < kMaxHeads; ++q) {
+      const int i = threadIdx.x + q * kComposeThreads;
+      if (i < kComposeColumns * H) {
+        const int cc = i / H, n = i - cc * H, s = s0 + cc;
+        const bool in = s < p.T;
+        hw::cp_async_ca<4>(kgt + n * kComposeColumns + cc, in ? g + static_cast<int64_t>(s) * 4 * H + n : g,
+                           in ? 4 : 0);
+      }
+    }
+    hw::cp_async_wait_all();
+    __syncthreads();
   }
-  float* dg = p.dg + g_off(p, b, s, p.ck);
-  float* dw1 = p.dw1 + w_off(p, b, s, p.ck);
-  float* dw2 = p.dw2 + w_off(p, b, s, p.ck);
-  for (int i = 0; i < H; ++i) dg[i] = part[i];
-  for (int i = 0; i < 2 * H; ++i) {
-    dw1[i] = part[H + i];
-    dw2[i] = part[3 * H + i];
+  const uint32_t ends = group_end_mask(H, p.hg), starts = group_start_mask(H, p.hg);
+  KeyGradSums sums;
+#pragma unroll
+  for (int n = 0; n < kMaxHeads; ++n) {
+    sums.g[n] = 0.f;
+    sums.w1[0][n] = sums.w1[1][n] = sums.w2[0][n] = sums.w2[1][n] = 0.f;
   }
+  const int rows = t_end - t_begin;
+  for (int i = 0; i < rows; ++i) {
+    // One stage: the CTA's other resident CTA (two per SM) computes while this one loads.
+    __syncthreads();  // every thread finished row i - 1
+    if (i > 0) store_step<T>(p, b, t_begin + i - 1, t_end, s0, stage, 2, 1);
+    issue_step<T>(p, b, t_begin + i, t_end, s0, stage, 2, true);  // after this thread's own stores
+    hw::cp_async_commit();
+    hw::cp_async_wait<0>();
+    __syncthreads();  // row i landed
+    const int t = t_begin + i;
+    const StageRow<T> r = stage_row<T>(p, stage, 0, 2);
+    float key_tot[4] = {0.f, 0.f, 0.f, 0.f};
+    bwd_pass1<T>(p, r.tile0, r.tile1, r.qw, kwt, ends, grp_tot, key_tot);
+    __syncthreads();  // every column's group totals
+    bwd_passB<T>(p, r.tile0, r.tile1, grp_tot, b, t);
+    __syncthreads();  // pass B read dy before pass 2 overwrites it with da
+    bwd_pass2<T>(p, r.tile0, r.tile1, r.qw, r.qg, kwt, kgt, starts, grp_tot, key_tot, sums);
+  }
+  __syncthreads();
+  if (rows > 0) store_step<T>(p, b, t_end - 1, t_end, s0, stage, 2, 1);
+  // The column sums, [128][5H | 1] through shared memory (kwt and the ring are dead once
+  // every thread has stored its last da chunks), then coalesced rows of the key partial
+  // [B * T, 5H] (the CTA's 128 columns are one contiguous run).
+  __syncthreads();
+  float* out_stage = reinterpret_cast<float*>(smem);
+  const int len = kGradFields * H, opitch = odd_pitch(len);
+#pragma unroll
+  for (int n = 0; n < kMaxHeads; ++n) {
+    if (n < H) {
+      float* o = out_stage + c * opitch;
+      o[n] = sums.g[n];
+      o[H + n] = sums.w1[0][n];
+      o[2 * H + n] = sums.w1[1][n];
+      o[3 * H + n] = sums.w2[0][n];
+      o[4 * H + n] = sums.w2[1][n];
+    }
+  }
+  __syncthreads();
+  const int cols = min(kComposeColumns, p.T - s0);
+  float* dst = p.key_partials + ((static_cast<int64_t>(blockIdx.y) * p.B + b) * p.T + s0) * len;
+  for (int i = threadIdx.x; i < cols * len; i += blockDim.x) {
+    const int cc = i / len, j = i - cc * len;
+    dst[i] = out_stage[cc * opitch + j];
+  }
+}
+
+// grad of slot c [B, T, 4, ...] = sum over k < parts (ascending) of partials[k, b * T + t, :].
+// One thread per (b * T + t, field element); grid ceil(B T 5H / 256), 256 threads.
+constexpr int kReduceThreads = 256;
+__global__ void __launch_bounds__(kReduceThreads) dcmha_compose_reduce_partials(const ComposeParams p,
+                                                                                const float* partials, int parts,
+                                                                                int c) {
+  const int H = p.H, len = kGradFields * H;
+  const int64_t rows = static_cast<int64_t>(p.B) * p.T;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * len) return;
+  const int64_t bt = i / len;
+  const int j = static_cast<int>(i - bt * len);
+  // Ascending k; 8 independent loads in flight per thread.
+  constexpr int kBatch = 8;
+  float sum = 0.f;
+  for (int k0 = 0; k0 < parts; k0 += kBatch) {
+    float v[kBatch];
+    COMPOSE_UNROLL
+    for (int j = 0; j < kBatch; ++j) v[j] = k0 + j < parts ? partials[(k0 + j) * rows * len + i] : 0.f;
+    COMPOSE_UNROLL
+    for (int j = 0; j < kBatch; ++j)
+      if (k0 + j < parts) sum += v[j];
+  }
+  const int64_t wo = (bt * 4 + c) * kR * H, go = (bt * 4 + c) * H;
+  if (j < H) p.dg[go + j] = sum;
+  else if (j < 3 * H) p.dw1[wo + j - H] = sum;
+  else p.dw2[wo + j - 3 * H] = sum;
 }
 
 }  // namespace dcmha

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <tuple>
 #include <type_traits>
 
@@ -43,17 +44,49 @@ inline ComposeParams make_params(const Shape& s, const at::Tensor& w1, const at:
   p.w1 = w1.data_ptr<float>();
   p.w2 = w2.data_ptr<float>();
   p.g = g.data_ptr<float>();
+  p.B = static_cast<int>(s.batch);
   p.T = static_cast<int>(s.seq);
   p.H = static_cast<int>(s.heads);
   p.hg = static_cast<int>(s.heads / s.head_groups);
   p.cq = static_cast<int>(2 * slot);
   p.ck = p.cq + 1;
+  p.wvec16 = reinterpret_cast<uintptr_t>(p.w1) % 16 == 0 && reinterpret_cast<uintptr_t>(p.w2) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(p.g) % 16 == 0;
   return p;
 }
 
-inline size_t query_smem_bytes(const Shape& s) {
-  return static_cast<size_t>(2 * kR * s.heads + s.heads + 64) * sizeof(float);
+inline int64_t round16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+inline int64_t column_block_bytes(int64_t len) {  // stage_column_block's [128, column_pitch(len)] floats
+  return static_cast<int64_t>(kComposeColumns) * (len % 4 == 0 ? len + 4 : len | 1) * 4;
 }
+
+// Shared-memory layout of the tile kernels (dcmha_kernel.cuh): `lead` bytes first (the
+// key-side kernel's weights), then a ring of `stages` stages of `rows` rows, each row
+// `ntiles` [H, pitch] tiles + qw [H][4] + qg [H] floats, at least `staging` bytes (the
+// column weight blocks staged there at the start); then `scratch_per_row * rows + scratch`
+// bytes of group totals. Fills p's layout fields and returns the dynamic shared bytes.
+inline int64_t compose_layout(ComposeParams& p, int64_t elem, int ntiles, int rows, int stages, int64_t lead,
+                              int64_t staging, int64_t scratch_per_row, int64_t scratch) {
+  const int64_t H = p.H;
+  p.pitch = static_cast<int>(kComposeColumns + 16 / elem);
+  p.tile_bytes = static_cast<int>(H * p.pitch * elem);
+  p.row_bytes = static_cast<int>(ntiles * p.tile_bytes + 16 * H + round16(4 * H));
+  p.rows_per_step = rows;
+  p.stage_bytes = rows * p.row_bytes;
+  const int64_t ring = std::max<int64_t>(static_cast<int64_t>(stages) * p.stage_bytes, staging);
+  p.scratch_offset = static_cast<int>(lead + ring);
+  return lead + ring + round16(scratch_per_row * rows + scratch);
+}
+
+// The forward's / bwd_query's layout; rows per stage 2 where it fits the device, else 1.
+inline int64_t fit_rows(const std::function<int64_t(int)>& layout) {
+  const int64_t two = layout(2);
+  if (two <= static_cast<int64_t>(hw::max_dynamic_smem_optin())) return two;
+  return layout(1);
+}
+
+inline bool aligned16_ptr(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace
 
@@ -130,11 +163,21 @@ at::Tensor HW_DCMHA_ENTRY(compose)(const at::Tensor& a, const at::Tensor& w1, co
   ComposeParams p = make_params(s, w1f, w2f, gf, slot);
   p.a = x.data_ptr();
   p.out = out.data_ptr();
+  const int64_t elem = x.element_size(), groups = s.head_groups;
+  p.vec16 = (s.seq * elem) % 16 == 0 && aligned16_ptr(x.data_ptr()) && aligned16_ptr(out.data_ptr());
+  const int64_t group_scratch = groups > 1 ? groups * 4 * kComposeColumns * 4 : 0;
+  const int64_t smem =
+      fit_rows([&](int rows) { return compose_layout(p, elem, 1, rows, kComposeStages, 0, column_block_bytes(2 * s.heads), 0,
+                                                       group_scratch);
+      });
+  const unsigned tiles = static_cast<unsigned>((s.seq + kComposeColumns - 1) / kComposeColumns);
+  const unsigned chunks = static_cast<unsigned>((s.seq + kComposeRows - 1) / kComposeRows);
   dispatch_storage_dtype(a.scalar_type(), "dcmha_compose", "a", [&](auto tag) {
     using T = decltype(tag);
-    HW_LAUNCH("dcmha_compose_fwd", dcmha_compose_fwd<T>,
-              dim3(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch)), dim3(kComposeThreads),
-              query_smem_bytes(s), p);
+    auto kernel = &dcmha_compose_fwd<T>;
+    hw::allow_dynamic_smem("dcmha_compose", kernel, static_cast<size_t>(smem));
+    HW_LAUNCH("dcmha_compose_fwd", kernel, dim3(tiles, chunks, static_cast<unsigned>(s.batch)),
+              dim3(kComposeThreads), static_cast<size_t>(smem), p);
   });
   return out;
 }
@@ -165,15 +208,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
     p.dw1 = dw1.data_ptr<float>();
     p.dw2 = dw2.data_ptr<float>();
     p.dg = dg.data_ptr<float>();
+    const int64_t elem = x.element_size(), groups = s.head_groups, H = s.heads;
+    p.vec16 = (s.seq * elem) % 16 == 0 && aligned16_ptr(x.data_ptr()) && aligned16_ptr(dy.data_ptr()) &&
+              aligned16_ptr(da.data_ptr());
+    const int64_t tiles = (s.seq + kComposeColumns - 1) / kComposeColumns;
+    const int64_t chunks = (s.seq + kComposeRows - 1) / kComposeRows;
+    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks), static_cast<unsigned>(s.batch));
+    const int64_t len = kGradFields * H, rows = s.batch * s.seq;
+    // Gradient partials: per column tile (query side), per row chunk (key side).
+    at::Tensor query_partials = at::empty({tiles, rows, len}, w1f.options());
+    at::Tensor key_partials = at::empty({chunks, rows, len}, w1f.options());
+    p.partials = query_partials.data_ptr<float>();
+    p.key_partials = key_partials.data_ptr<float>();
+    // Key weights [2][H][128][2] + Gk [H][128] floats, one stage of one row, [G][4][128]
+    // group totals (~100 KiB at H = 32 bf16: two CTAs per SM on sm_90, one on sm_80 and on
+    // the 99 KiB parts); the [128][5H | 1] column sums reuse the whole buffer at the end.
+    const int64_t key_weights = H * kComposeColumns * 20;
+    const int64_t smem = std::max<int64_t>(
+        compose_layout(p, elem, 2, 1, 1, key_weights, 0, groups * kBwdGroupValues * kComposeColumns * 4, 0),
+        static_cast<int64_t>(kComposeColumns) * (len | 1) * 4);
+    const unsigned reduce_blocks = static_cast<unsigned>((rows * len + kReduceThreads - 1) / kReduceThreads);
     dispatch_storage_dtype(a.scalar_type(), "dcmha_compose_backward", "a", [&](auto tag) {
       using T = decltype(tag);
-      HW_LAUNCH("dcmha_compose_bwd_query", dcmha_compose_bwd_query<T>,
-                dim3(static_cast<unsigned>(s.seq), static_cast<unsigned>(s.batch)), dim3(kComposeThreads),
-                query_smem_bytes(s), p);
-      HW_LAUNCH("dcmha_compose_bwd_key", dcmha_compose_bwd_key<T>,
-                dim3(static_cast<unsigned>((s.seq + kKeyColumns - 1) / kKeyColumns), static_cast<unsigned>(s.batch)),
-                dim3(kKeyColumns), 0, p);
+      auto kernel = &dcmha_compose_bwd<T>;
+      hw::allow_dynamic_smem("dcmha_compose_backward", kernel, static_cast<size_t>(smem));
+      HW_LAUNCH("dcmha_compose_bwd", kernel, grid, dim3(kComposeThreads), static_cast<size_t>(smem), p);
     });
+    HW_LAUNCH("dcmha_compose_reduce_partials", dcmha_compose_reduce_partials, dim3(reduce_blocks),
+              dim3(kReduceThreads), 0, p, static_cast<const float*>(p.partials), static_cast<int>(tiles), p.cq);
+    HW_LAUNCH("dcmha_compose_reduce_partials", dcmha_compose_reduce_partials, dim3(reduce_blocks),
+              dim3(kReduceThreads), 0, p, static_cast<const float*>(p.key_partials), static_cast<int>(chunks), p.ck);
   } else {
     da.zero_();
   }

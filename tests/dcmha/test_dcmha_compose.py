@@ -34,6 +34,7 @@ def _fwd_bwd(fn, a, w, grad, **kw):
 @pytest.mark.parametrize("slot", ["pre", "post"])
 @pytest.mark.parametrize("b,h,t,groups", [
     (2, 2, 3, 1), (1, 4, 5, 2), (2, 8, 37, 1), (1, 16, 5, 4), (1, 32, 37, 1), (1, 3, 123, 1), (1, 8, 123, 8),
+    (2, 5, 5, 1), (1, 5, 37, 5), (1, 32, 123, 4), (1, 3, 3, 3),
 ])
 def test_matches_reference_fp32(backend, slot, b, h, t, groups):
     gen = torch.Generator().manual_seed(t + h)
@@ -51,6 +52,87 @@ def test_matches_reference_fp32(backend, slot, b, h, t, groups):
     unused = [2, 3] if slot == "pre" else [0, 1]
     for grad_w in got[2:]:
         assert torch.count_nonzero(grad_w[:, :, unused]) == 0
+
+
+# The CUDA tile kernels (dcmha_kernel.cuh): 128 columns x 128 rows per CTA, 16-byte tiles
+# where S * elem is a multiple of 16 and the tensors are 16-byte aligned, else 4-byte /
+# 2-byte elements. These shapes cross the column tile and row chunk edges, on both paths,
+# with one and several head groups (G > 1 keeps group totals in shared scratch).
+@pytest.mark.parametrize("slot", ["pre", "post"])
+@pytest.mark.parametrize("b,h,t,groups", [
+    (1, 5, 132, 1),    # fp32 16-byte path (132 * 4 % 16 == 0), two column tiles and row chunks
+    (1, 3, 131, 3),    # 4-byte fallback, hg = 1
+    (2, 32, 130, 8),   # 4-byte fallback, H = 32 in 8 groups
+    (1, 32, 136, 1),   # 16-byte path, H = 32 in one group
+    (1, 32, 132, 32),  # 16-byte path, hg = 1: 32 groups
+])
+def test_tile_edges_match_reference_fp32(backend, slot, b, h, t, groups):
+    if backend.name == "cpu":
+        pytest.skip("the tile edges are the CUDA kernels'")
+    gen = torch.Generator().manual_seed(t * h)
+    a = torch.randn(b, h, t, t, generator=gen).to(backend.device)
+    w = make_weights(b, t, h, device=backend.device, seed=t)
+    grad = torch.randn(b, h, t, t, generator=gen).to(backend.device)
+    kw = dict(slot=slot, head_groups=groups)
+    got = _fwd_bwd(backend.dcmha_compose, a, w, grad, **kw)
+    want = _fwd_bwd(reference.dcmha_compose, a, w, grad, **kw)
+    for name, x, y in zip(["out", "grad a", "grad w1", "grad w2", "grad g"], got, want):
+        err = rel_err(x, y)
+        assert err <= FP32_TOL, f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [136, 37])  # 16-byte path (136 * 2 % 16 == 0) and the 2-byte fallback
+def test_low_precision_tiles_close_to_reference(backend, dtype, t):
+    if backend.name == "cpu":
+        pytest.skip("the tile paths are the CUDA kernels'")
+    gen = torch.Generator().manual_seed(t)
+    a = torch.randn(1, 8, t, t, generator=gen).to(backend.device, dtype)
+    w = make_weights(1, t, 8, device=backend.device, dtype=dtype)
+    grad = torch.randn(1, 8, t, t, generator=gen).to(backend.device, dtype)
+    got = _fwd_bwd(backend.dcmha_compose, a, w, grad, slot="pre", head_groups=2)
+    want = _fwd_bwd(reference.dcmha_compose, a.double(), DCMHAWeights(*(x.double() for x in w)), grad.double(),
+                    slot="pre", head_groups=2)
+    for name, x, y in zip(["out", "grad a", "grad w1", "grad w2", "grad g"], got, want):
+        assert rel_err(x, y) <= 2e-2, name
+
+
+def _misaligned(x):
+    """x's values in a contiguous view 4 bytes past a 16-byte boundary."""
+    store = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+    view = store[1:].view(x.shape)
+    view.copy_(x)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
+
+
+def test_misaligned_views_match_aligned(backend):
+    # a and the weights 4 bytes past a 16-byte boundary: the kernels take the element paths.
+    t = 8
+    a = torch.randn(2, 4, t, t).to(backend.device)
+    w = make_weights(2, t, 4, device=backend.device)
+    grad = torch.randn(2, 4, t, t).to(backend.device)
+    ops = getattr(torch.ops, backend.ns)
+
+    def run(a, w):  # the ops themselves: autograd would hand the backward aligned copies
+        return [ops.dcmha_compose(a, *w, 1, 1), *ops.dcmha_compose_backward(grad, a, *w, 1, 1)]
+
+    want = run(a, w)
+    got = run(_misaligned(a), [_misaligned(x) for x in w])
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+
+
+def test_backward_bitwise_repeatable(backend):
+    # Fixed-order reductions (no atomics): two runs give identical bits.
+    gen = torch.Generator().manual_seed(11)
+    a = torch.randn(2, 8, 133, 133, generator=gen).to(backend.device)
+    w = make_weights(2, 133, 8, device=backend.device, seed=4)
+    grad = torch.randn(2, 8, 133, 133, generator=gen).to(backend.device)
+    first = _fwd_bwd(backend.dcmha_compose, a, w, grad, slot="pre", head_groups=2)
+    second = _fwd_bwd(backend.dcmha_compose, a, w, grad, slot="pre", head_groups=2)
+    for x, y in zip(first, second):
+        assert torch.equal(x, y)
 
 
 def test_zero_weights_are_identity(backend):

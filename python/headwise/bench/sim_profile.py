@@ -334,7 +334,7 @@ def _compose_bytes(s):
 def _compose_flops(s):
     e = s["B"] * s["H"] * s["T"] * s["T"]
     return {"fwd": {"dcmha_compose_fwd": COMPOSE_FLOPS * e},
-            "bwd": {"dcmha_compose_bwd_query": COMPOSE_FLOPS * e, "dcmha_compose_bwd_key": COMPOSE_FLOPS * e}}
+            "bwd": {"dcmha_compose_bwd": 2 * COMPOSE_FLOPS * e}}
 
 
 def _attention_bytes(s):
@@ -387,9 +387,10 @@ OPS: dict[str, OpSpec] = {
         run=_merge_run, min_bytes=_merge_bytes, flops=_merge_flops),
     "dcmha_compose": OpSpec(
         "dcmha_compose",
-        # T a multiple of 64: the key-side backward's grid is ceil(T / 64) CTAs (kKeyColumns),
-        # which the fit takes as linear in T.
-        shapes=[dict(B=1, H=32, T=T) for T in (64, 128, 192)],
+        # T a multiple of 128: the tile kernels' grid is ceil(T / 128)^2 B CTAs (128 columns x
+        # 128 rows each, kComposeColumns / kComposeRows), and their gradient partials are
+        # ceil(T / 128) x [B T, 5H]: exactly the basis below from here on.
+        shapes=[dict(B=1, H=32, T=T) for T in (128, 256, 384)],
         target=dict(B=8, H=32, T=4096),
         basis=lambda s: [s["B"], s["B"] * s["T"], s["B"] * s["T"] ** 2],
         run=_compose_run, min_bytes=_compose_bytes, flops=_compose_flops),
