@@ -182,6 +182,42 @@ at::Tensor HW_DCMHA_ENTRY(compose)(const at::Tensor& a, const at::Tensor& w1, co
   return out;
 }
 
+// The compose backward by library products (einsum -> batched GEMMs, fp32), for devices
+// whose shared memory cannot hold dcmha_compose_bwd's key-side block (H = 32 bf16 in one
+// group needs ~100 KiB: over the 99 KiB of sm_86/89/120). With the grouped views
+// A, dY [B, G, Hg, T, S], slot weights W1q, W2q [B, T, R, G, Hg] (query side, slot cq) and
+// W1k, W2k [B, S, R, G, Hg] (key side, slot ck), pq = <A, W1q>_n, pk = <A, W1k>_n:
+//   dq = <dY, W2q>_m, dk = <dY, W2k>_m                                  [B, G, R, T, S]
+//   dA   = dY (1 + Gq + Gk) + dq W1q + dk W1k
+//   dW2q = sum_s pq dY,  dW2k = sum_t pk dY,  dW1q = sum_s A dq,  dW1k = sum_t A dk
+//   dGq  = sum_s dY A,   dGk  = sum_t dY A
+// The [B, G, R, T, S] intermediates are 2R/H of a's size each. Deterministic (GEMMs and
+// fixed-order reductions, no atomics), no host synchronization.
+inline void compose_backward_by_library(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& w1f,
+                                        const at::Tensor& w2f, const at::Tensor& gf, int cq, int ck, int64_t groups,
+                                        at::Tensor& da, at::Tensor& dw1, at::Tensor& dw2, at::Tensor& dg) {
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), S = x.size(3), R = w1f.size(3), hg = H / groups;
+  const at::Tensor A = x.to(at::kFloat).view({B, groups, hg, T, S});
+  const at::Tensor dY = dy.to(at::kFloat).view({B, groups, hg, T, S});
+  auto side = [&](const at::Tensor& w, int c, int64_t n) { return w.select(2, c).narrow(1, 0, n).reshape({B, n, R, groups, hg}); };
+  const at::Tensor w1q = side(w1f, cq, T), w2q = side(w2f, cq, T), w1k = side(w1f, ck, S), w2k = side(w2f, ck, S);
+  const at::Tensor pq = at::einsum("bgnts,btrgn->bgrts", {A, w1q}), pk = at::einsum("bgnts,bsrgn->bgrts", {A, w1k});
+  const at::Tensor dq = at::einsum("bgmts,btrgm->bgrts", {dY, w2q}), dk = at::einsum("bgmts,bsrgm->bgrts", {dY, w2k});
+  const at::Tensor gq = gf.select(2, cq).narrow(1, 0, T).transpose(1, 2).reshape({B, groups, hg, T, 1});
+  const at::Tensor gk = gf.select(2, ck).narrow(1, 0, S).transpose(1, 2).reshape({B, groups, hg, 1, S});
+  const at::Tensor da32 = dY * (gq + gk + 1) + at::einsum("bgrts,btrgn->bgnts", {dq, w1q}) +
+                          at::einsum("bgrts,bsrgn->bgnts", {dk, w1k});
+  da.copy_(da32.view({B, H, T, S}));
+  auto put = [&](at::Tensor& dst, int c, int64_t n, const at::Tensor& v) { dst.select(2, c).narrow(1, 0, n).copy_(v.reshape(dst.select(2, c).narrow(1, 0, n).sizes())); };
+  put(dw2, cq, T, at::einsum("bgrts,bgmts->btrgm", {pq, dY}));
+  put(dw2, ck, S, at::einsum("bgrts,bgmts->bsrgm", {pk, dY}));
+  put(dw1, cq, T, at::einsum("bgnts,bgrts->btrgn", {A, dq}));
+  put(dw1, ck, S, at::einsum("bgnts,bgrts->bsrgn", {A, dk}));
+  const at::Tensor prod = (dY * A).view({B, H, T, S});
+  put(dg, cq, T, prod.sum(3).transpose(1, 2));
+  put(dg, ck, S, prod.sum(2).transpose(1, 2));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compose_backward)(
     const at::Tensor& grad, const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
     int64_t slot, int64_t head_groups) {
@@ -215,18 +251,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
     const int64_t chunks = (s.seq + kComposeRows - 1) / kComposeRows;
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks), static_cast<unsigned>(s.batch));
     const int64_t len = kGradFields * H, rows = s.batch * s.seq;
+    // Key weights [2][H][128][2] + Gk [H][128] floats, one stage of one row, [G][4][128]
+    // group totals (~100 KiB at H = 32 bf16: two CTAs per SM on sm_90, one on sm_80); the
+    // [128][5H | 1] column sums reuse the whole buffer at the end. Where that is over the
+    // device's limit (the 99 KiB parts at H = 32), compose_backward_by_library instead.
+    const int64_t key_weights = H * kComposeColumns * 20;
+    const int64_t smem = std::max<int64_t>(
+        compose_layout(p, elem, 2, 1, 1, key_weights, 0, groups * kBwdGroupValues * kComposeColumns * 4, 0),
+        static_cast<int64_t>(kComposeColumns) * (len | 1) * 4);
+    bool fits = true;
+    dispatch_storage_dtype(a.scalar_type(), "dcmha_compose_backward", "a", [&](auto tag) {
+      fits = static_cast<size_t>(smem) + hw::static_smem_bytes(&dcmha_compose_bwd<decltype(tag)>) <=
+             hw::max_dynamic_smem_optin();
+    });
+    if (!fits) {
+      compose_backward_by_library(x, dy, w1f, w2f, gf, p.cq, p.ck, groups, da, dw1, dw2, dg);
+      return {da, dw1.to(w1.scalar_type()), dw2.to(w2.scalar_type()), dg.to(g.scalar_type())};
+    }
     // Gradient partials: per column tile (query side), per row chunk (key side).
     at::Tensor query_partials = at::empty({tiles, rows, len}, w1f.options());
     at::Tensor key_partials = at::empty({chunks, rows, len}, w1f.options());
     p.partials = query_partials.data_ptr<float>();
     p.key_partials = key_partials.data_ptr<float>();
-    // Key weights [2][H][128][2] + Gk [H][128] floats, one stage of one row, [G][4][128]
-    // group totals (~100 KiB at H = 32 bf16: two CTAs per SM on sm_90, one on sm_80 and on
-    // the 99 KiB parts); the [128][5H | 1] column sums reuse the whole buffer at the end.
-    const int64_t key_weights = H * kComposeColumns * 20;
-    const int64_t smem = std::max<int64_t>(
-        compose_layout(p, elem, 2, 1, 1, key_weights, 0, groups * kBwdGroupValues * kComposeColumns * 4, 0),
-        static_cast<int64_t>(kComposeColumns) * (len | 1) * 4);
     const unsigned reduce_blocks = static_cast<unsigned>((rows * len + kReduceThreads - 1) / kReduceThreads);
     dispatch_storage_dtype(a.scalar_type(), "dcmha_compose_backward", "a", [&](auto tag) {
       using T = decltype(tag);

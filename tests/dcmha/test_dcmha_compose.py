@@ -54,6 +54,33 @@ def test_matches_reference_fp32(backend, slot, b, h, t, groups):
         assert torch.count_nonzero(grad_w[:, :, unused]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("slot,b,h,t,groups", [("pre", 1, 32, 37, 1), ("post", 2, 32, 5, 4), ("pre", 1, 30, 130, 3)])
+def test_backward_on_parts_with_99_kib_uses_library_products(monkeypatch, dtype, slot, b, h, t, groups):
+    # On a device whose opt-in shared memory is 99 KiB (sm_86/89/120, modelled by
+    # HEADWISE_SIM_SMEM_OPTIN), dcmha_compose_bwd's key-side block does not fit at H ~ 32:
+    # the backward takes compose_backward_by_library (einsums) and matches the reference.
+    monkeypatch.setenv("HEADWISE_SIM_SMEM_OPTIN", "101376")
+    sim = headwise.testing.backend("sim")
+    gen = torch.Generator().manual_seed(t + h)
+    a = torch.randn(b, h, t, t, generator=gen).to(dtype)
+    w = make_weights(b, t, h, seed=h, dtype=dtype)
+    grad = torch.randn(b, h, t, t, generator=gen).to(dtype)
+    kw = dict(slot=slot, head_groups=groups)
+    with torch.profiler.profile() as prof:
+        got = _fwd_bwd(sim.dcmha_compose, a, w, grad, **kw)
+    took_library = any(e.name == "aten::einsum" for e in prof.events())
+    assert took_library == (h == 32 or dtype == torch.float32)  # bf16 fits up to H = 31, fp32 up to 27
+    want = _fwd_bwd(reference.dcmha_compose, a.double(), [x.double() for x in w], grad.double(), **kw)
+    tol = FP32_TOL if dtype == torch.float32 else 2e-2
+    for name, x, y in zip(["out", "grad a", "grad w1", "grad w2", "grad g"], got, want):
+        err = rel_err(x.double(), y)
+        assert err <= tol, f"{name}: relative error {err:.3g}"
+    unused = [2, 3] if slot == "pre" else [0, 1]
+    for grad_w in got[2:]:
+        assert torch.count_nonzero(grad_w[:, :, unused]) == 0
+
+
 # The CUDA tile kernels (dcmha_kernel.cuh): 128 columns x 128 rows per CTA, 16-byte tiles
 # where S * elem is a multiple of 16 and the tensors are 16-byte aligned, else 4-byte /
 # 2-byte elements. These shapes cross the column tile and row chunk edges, on both paths,
