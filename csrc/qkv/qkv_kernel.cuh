@@ -110,12 +110,13 @@ __device__ __forceinline__ int64_t rope_partner(const Geometry& g, int64_t j, fl
 }
 
 // Rope through the warp's staging row `st` (kMaxWidth floats): the lane's elements
-// (q, q + half) of a[] / c[] are rotated (forward) or rotated back (backward, the
-// transpose: out[j] = v[j] c[j] - sign * v[partner] s[partner]) over the leading rot dims.
-template <bool BACKWARD, int ITEMS>
-__device__ __forceinline__ void rope_staged_apply(const Geometry& g, float* st, const float* cs, const float* sn,
-                                                  int64_t width, int64_t half, float (&a)[ITEMS],
-                                                  float (&c)[ITEMS]) {
+// (q, q + half) of a[] / c[] over the leading rot dims, each replaced by
+// rotate(i, e, j, k, sign, y[j], y[k]) (element j, e = 0 for a[i] and 1 for c[i], k its
+// partner, sign as in rope_partner): the forward's y[j] c[j] + sign y[k] s[j], or the
+// backward's transpose v[j] c[j] - sign v[k] s[k].
+template <int ITEMS, typename Rotate>
+__device__ __forceinline__ void rope_staged(const Geometry& g, float* st, int64_t width, int64_t half,
+                                            float (&a)[ITEMS], float (&c)[ITEMS], const Rotate& rotate) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
@@ -135,41 +136,7 @@ __device__ __forceinline__ void rope_staged_apply(const Geometry& g, float* st, 
       if (q < half && j < g.rot) {
         float sign;
         const int64_t k = rope_partner(g, j, sign);
-        const float v = BACKWARD ? st[j] * cs[j] - sign * st[k] * sn[k] : st[j] * cs[j] + sign * st[k] * sn[j];
-        if (e == 0) a[i] = v; else c[i] = v;
-      }
-    }
-  }
-  __syncwarp();
-}
-
-// The forward rope through the staging row, with the lane's table entries preloaded:
-// (ca, sa) at elements q, (cc, sc) at q + half (see qkv_epilogue_fwd_scalar_kernel).
-template <int ITEMS>
-__device__ __forceinline__ void rope_staged_apply_fwd(const Geometry& g, float* st, const float (&ca)[ITEMS],
-                                                      const float (&sa)[ITEMS], const float (&cc)[ITEMS],
-                                                      const float (&sc)[ITEMS], int64_t width, int64_t half,
-                                                      float (&a)[ITEMS], float (&c)[ITEMS]) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int64_t q = lane + 32 * i;
-    if (q < half) {
-      st[q] = a[i];
-      if (q + half < width) st[q + half] = c[i];
-    }
-  }
-  __syncwarp();
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int64_t q = lane + 32 * i;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int64_t j = q + e * half;
-      if (q < half && j < g.rot) {
-        float sign;
-        const int64_t k = rope_partner(g, j, sign);
-        const float v = st[j] * (e == 0 ? ca[i] : cc[i]) + sign * st[k] * (e == 0 ? sa[i] : sc[i]);
+        const float v = rotate(i, e, j, k, sign, st[j], st[k]);
         if (e == 0) a[i] = v; else c[i] = v;
       }
     }
@@ -315,7 +282,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_fwd_scalar_k
       const float scale = hi.role == 0 ? g.scale_q : 1.f;
       T* dst = static_cast<T*>(p.out[hi.role]) + ((b * hi.heads + hi.index) * g.seq + t) * hi.width;
       const bool staged = STAGED_ROPE && rotate;
-      if (staged) rope_staged_apply_fwd<ITEMS>(g, stage[warp], ca, sa, cc, sc, hi.width, half, a, c);
+      if (staged)  // the lane's table entries preloaded: (ca, sa) at q, (cc, sc) at q + half
+        rope_staged<ITEMS>(g, stage[warp], hi.width, half, a, c,
+                           [&](int i, int e, int64_t, int64_t, float sign, float yj, float yk) {
+                             return yj * (e == 0 ? ca[i] : cc[i]) + sign * yk * (e == 0 ? sa[i] : sc[i]);
+                           });
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
         const int64_t q = lane + 32 * i;
@@ -381,7 +352,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qkv_epilogue_bwd_scalar_k
           }
         }
       }
-      if (staged) rope_staged_apply<true, ITEMS>(g, stage[warp], cs, sn, hi.width, half, ga, gc);
+      if (staged)
+        rope_staged<ITEMS>(g, stage[warp], hi.width, half, ga, gc,
+                           [&](int, int, int64_t j, int64_t k, float sign, float yj, float yk) {
+                             return yj * cs[j] - sign * yk * sn[k];
+                           });
       if (hi.norm != nullptr) {
         const float r = rms_scale(ya, yc, hi.width, g.eps);
         float dot = 0.f;
