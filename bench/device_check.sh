@@ -89,7 +89,7 @@ run_capped 75 "targets" $PY -m headwise.bench.targets merge dcmha --json "$RES/t
 
 stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
 run_capped 90 "calibrate" $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
-  --estimates bench/sim_profile_h200_tensor_cores.json --json "$RES/calibration.json"
+  --estimates bench/sim_profile_h200_2026-11-30_after_gpu_run.json --json "$RES/calibration.json"
 
 stage "compute-sanitizer memcheck + racecheck (small cases)"
 for tool in memcheck racecheck; do
