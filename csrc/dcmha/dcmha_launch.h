@@ -208,7 +208,10 @@ inline void compose_backward_by_library(const at::Tensor& x, const at::Tensor& d
   const at::Tensor da32 = dY * (gq + gk + 1) + at::einsum("bgrts,btrgn->bgnts", {dq, w1q}) +
                           at::einsum("bgrts,bsrgn->bgnts", {dk, w1k});
   da.copy_(da32.view({B, H, T, S}));
-  auto put = [&](at::Tensor& dst, int c, int64_t n, const at::Tensor& v) { dst.select(2, c).narrow(1, 0, n).copy_(v.reshape(dst.select(2, c).narrow(1, 0, n).sizes())); };
+  auto put = [&](at::Tensor& dst, int c, int64_t n, const at::Tensor& v) {
+    at::Tensor slot_rows = dst.select(2, c).narrow(1, 0, n);
+    slot_rows.copy_(v.reshape(slot_rows.sizes()));
+  };
   put(dw2, cq, T, at::einsum("bgrts,bgmts->btrgm", {pq, dY}));
   put(dw2, ck, S, at::einsum("bgrts,bgmts->bsrgm", {pk, dY}));
   put(dw1, cq, T, at::einsum("bgnts,bgrts->btrgn", {A, dq}));

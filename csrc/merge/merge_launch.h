@@ -24,8 +24,8 @@
 #include <initializer_list>
 #include <limits>
 #include <tuple>
-#include <utility>
 #include <type_traits>
+#include <utility>
 
 namespace headwise {
 namespace merge {
@@ -145,6 +145,21 @@ void launch_fwd_tc(const at::Tensor& z, const at::Tensor& w, const at::Tensor& b
                      [&](auto bytes) { launch(&tc::head_merge_fwd_tc_kernel<T, decltype(bytes)::value>); });
 }
 
+// z_norm = sqrt(z_norm) in place and out_norm = sqrt(sum of the `tiles` partials of each
+// (b, q, h)): the last step of both stats paths.
+inline void finalize_stats(at::Tensor& z_norm, const at::Tensor& part, at::Tensor& out_norm, int64_t tiles) {
+  const int64_t count = z_norm.numel();
+  auto fin = &head_merge_stats_finalize_kernel;
+  HW_LAUNCH("head_merge_stats_finalize", fin, dim3(cdiv(count, 256)), dim3(256), 0, z_norm.data_ptr<float>(),
+            part.data_ptr<float>(), out_norm.data_ptr<float>(), count, tiles);
+}
+
+// Z as the [B*Q, H*Dv] matrix of the library-GEMM paths: a view when z is token-major (a
+// transposed view of [B, Q, H, Dv] memory), else one gather (eager's concatenation).
+inline at::Tensor token_major(const at::Tensor& z, const Shape& s) {
+  return z.transpose(1, 2).reshape({s.rows(), s.k()});
+}
+
 // The operands of the statistics pass (head_merge_fwd_tc_kernel<T, _, true>): per head,
 // w_h = [hi | lo] [Dv, 2 Dv] in T with hi + lo ~ L_h^T, L_h the lower Cholesky factor of
 // W_h^T W_h + delta_h I (fp64 on z's device; delta_h = 2^-40 max diag, at least the
@@ -157,8 +172,7 @@ void launch_fwd_tc(const at::Tensor& z, const at::Tensor& w, const at::Tensor& b
 // lo keep their 11 (f16) / 8 (bf16) bits for any weight scale (a near-dead head's 1e-6
 // entries are f16 subnormals); the pass multiplies its sums of squares by c_h^2, the
 // second tensor returned ([H] fp32).
-template <typename T>
-std::pair<at::Tensor, at::Tensor> stats_operands(const at::Tensor& weight_o, const Shape& s) {
+inline std::pair<at::Tensor, at::Tensor> stats_operands(const at::Tensor& weight_o, const Shape& s) {
   const int64_t H = s.heads, Dv = s.dv, D = s.d;
   const at::Tensor wh = weight_o.to(at::kDouble).contiguous().view({D, H, Dv}).permute({1, 0, 2});  // [H, D, Dv]
   const at::Tensor gram = at::bmm(wh.transpose(1, 2), wh);                                        // [H, Dv, Dv]
@@ -185,7 +199,7 @@ void launch_stats_tc(const at::Tensor& z, const at::Tensor& weight_o, const Gate
                      at::Tensor& z_norm, at::Tensor& out_norm) {
   TORCH_CHECK_VALUE(s.heads <= 65535, "headwise.head_merge: return_stats on tensor cores takes at most 65535 heads, "
                     "got H = ", s.heads);
-  const std::pair<at::Tensor, at::Tensor> operands = stats_operands<T>(weight_o, s);
+  const std::pair<at::Tensor, at::Tensor> operands = stats_operands(weight_o, s);
   const at::Tensor& wcat = operands.first;
   const at::Tensor& scale2 = operands.second;
   tc::TcFwdParams p{};
@@ -223,10 +237,7 @@ void launch_stats_tc(const at::Tensor& z, const at::Tensor& weight_o, const Gate
     hw::allow_dynamic_smem("head_merge", kernel, smem);
     HW_LAUNCH("head_merge_stats_tc", kernel, grid, dim3(tc::kThreads), smem, p);
   });
-  const int64_t count = s.rows() * s.heads;
-  auto fin = &head_merge_stats_finalize_kernel;
-  HW_LAUNCH("head_merge_stats_finalize", fin, dim3(cdiv(count, 256)), dim3(256), 0, z_norm.data_ptr<float>(),
-            part.data_ptr<float>(), out_norm.data_ptr<float>(), count, p.n_tiles);
+  finalize_stats(z_norm, part, out_norm, p.n_tiles);
 }
 
 // Launches the tensor-core grad_z (+ c partials) and grad_weight_o kernels (16-bit types).
@@ -333,7 +344,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_merge)(
                                 head_gate.has_value(), return_stats);
   if (path != FwdPath::kSimt) {
     if (path == FwdPath::kLibraryGemm) {
-      const at::Tensor z2 = z.transpose(1, 2).reshape({s.rows(), s.k()});  // a view when token-major
+      const at::Tensor z2 = token_major(z, s);
       at::Tensor y = out.view({s.rows(), s.d});
       if (b.defined())
         at::addmm_out(y, b, z2, w.t());
@@ -374,12 +385,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_merge)(
     auto kernel = &head_merge_fwd_kernel<T>;
     HW_LAUNCH("head_merge_fwd", kernel, grid, dim3(kThreads), 0, p);
   });
-  if (return_stats) {
-    const int64_t count = s.rows() * s.heads;
-    auto fin = &head_merge_stats_finalize_kernel;
-    HW_LAUNCH("head_merge_stats_finalize", fin, dim3(cdiv(count, 256)), dim3(256), 0, z_norm.data_ptr<float>(),
-              part.data_ptr<float>(), out_norm.data_ptr<float>(), count, n_tiles);
-  }
+  if (return_stats) finalize_stats(z_norm, part, out_norm, n_tiles);
   return {out, z_norm, out_norm};
 }
 
@@ -424,7 +430,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_m
     } else {
       gz_tokens.copy_(at::mm(dy2, weight_o).view({s.batch, s.seq, s.heads, s.dv}));
     }
-    at::mm_out(grad_w, dy2.t(), z.transpose(1, 2).reshape({s.rows(), s.k()}));
+    at::mm_out(grad_w, dy2.t(), token_major(z, s));
     if (bias_grad) at::sum_out(grad_b, dy2, {0});
     return {grad_z, grad_w, grad_b, grad_gate};
   }

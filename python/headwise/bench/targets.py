@@ -60,6 +60,15 @@ def _timed(calls: dict, device, repeats: int, warmup: int = 3) -> dict[str, floa
     return interleaved_median_ms({k: (fn, None) for k, fn in calls.items()}, device, repeats=repeats, warmup=warmup)
 
 
+def _train_step(leaves, forward, grad):
+    """A call that clears the leaves' gradients, then runs forward() and its backward."""
+    def run():
+        for x in leaves:
+            x.grad = None
+        forward().backward(grad)
+    return run
+
+
 def merge_targets(rep: Report, device, dtype, repeats: int, shape: dict) -> None:
     b, h, q, dv, d = (shape[k] for k in ("b", "h", "q", "dv", "d"))
     gen = torch.Generator().manual_seed(0)
@@ -101,19 +110,10 @@ def merge_targets(rep: Report, device, dtype, repeats: int, shape: dict) -> None
                   (h - k) / h + 0.05)
     # Forward + backward of the plain merge (z, w, bias all require grad).
     grad = torch.randn(b, q, d, generator=gen).to(device, dtype)
-    leaves = [x.detach().clone().requires_grad_() for x in (z_hm, w, bias)]
-
-    def step(fn):
-        def run():
-            for x in leaves:
-                x.grad = None
-            fn(*leaves).backward(grad)
-        return run
-
-    def eager(z, w, bias):
-        return F.linear(z.transpose(1, 2).reshape(b, q, h * dv), w, bias)
-
-    t = _timed({"eager": step(eager), "headwise": step(headwise.head_merge)}, device, repeats)
+    zl, wl, bl = leaves = [x.detach().clone().requires_grad_() for x in (z_hm, w, bias)]
+    eager = _train_step(leaves, lambda: F.linear(zl.transpose(1, 2).reshape(b, q, h * dv), wl, bl), grad)
+    fused = _train_step(leaves, lambda: headwise.head_merge(zl, wl, bl), grad)
+    t = _timed({"eager": eager, "headwise": fused}, device, repeats)
     rep.ratio("merge plain forward + backward", t["headwise"], "eager forward + backward", t["eager"], 1.2)
 
 
@@ -145,17 +145,9 @@ def dcmha_targets(rep: Report, device, dtype, repeats: int, shape: dict) -> None
 def dcmha_backward_targets(rep: Report, device, dtype, repeats: int, shape: dict) -> None:
     q, k, v, w, grad = _dcmha_inputs(shape, device, dtype)
     leaves = [x.requires_grad_() for x in (q, k, v, *w)]
-
-    def step(fn):
-        def run():
-            for x in leaves:
-                x.grad = None
-            fn().backward(grad)
-        return run
-
-    flash = step(lambda: _flash(*leaves[:3]))
+    flash = _train_step(leaves, lambda: _flash(*leaves[:3]), grad)
     t_flash = _timed({"flash": flash}, device, max(repeats, 3), warmup=2)["flash"]
-    dcmha = step(lambda: headwise.dcmha_attention(*leaves[:3], DCMHAWeights(*leaves[3:])))
+    dcmha = _train_step(leaves, lambda: headwise.dcmha_attention(*leaves[:3], DCMHAWeights(*leaves[3:])), grad)
     synchronize(device)
     t_dcmha = _timed({"dcmha": dcmha}, device, 1, warmup=0)["dcmha"]  # one run: seconds today
     rep.ratio("dcmha forward + backward (1 run)", t_dcmha, "SDPA flash forward + backward", t_flash, 4.0)
