@@ -87,6 +87,9 @@ cd ..
 stage "acceptance ratios of the GPU issues (merge, DCMHA forward)"
 run_capped 75 "targets" $PY -m headwise.bench.targets merge dcmha --json "$RES/targets.json"
 
+stage "DCMHA forward + backward at the target shape (one run; bf16: the tensor-core backward)"
+run_capped 60 "targets dcmha-backward" $PY -m headwise.bench.targets dcmha-backward --json "$RES/targets_dcmha_backward.json"
+
 stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
 run_capped 90 "calibrate" $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
   --estimates bench/sim_profile_h200_2026-11-30_after_gpu_run.json --json "$RES/calibration.json"
@@ -97,9 +100,6 @@ for tool in memcheck racecheck; do
     $PY bench/sanitize_cases.py > "$RES/sanitizer_$tool.log" 2>&1
   tail -3 "$RES/sanitizer_$tool.log"
 done
-
-stage "DCMHA forward + backward at the target shape (one run; the backward is the SIMT kernel)"
-run_capped 60 "targets dcmha-backward" $PY -m headwise.bench.targets dcmha-backward --json "$RES/targets_dcmha_backward.json"
 
 stage "ncu: the tensor-core merge forward and grad_z (memory tables, one launch each)"
 run_capped 45 "ncu merge" ncu --clock-control none --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc" --launch-count 2 \

@@ -1,6 +1,8 @@
 """Small CUDA cases for compute-sanitizer (bench/device_check.sh): every kernel layout of
 every op, forward and backward, on shapes small enough for memcheck/racecheck."""
 
+import os
+
 import torch
 
 import headwise
@@ -63,15 +65,22 @@ def main():
             out.float().sum().backward()
             out = headwise.head_merge(torch.randn(b, h, q, dv, device="cuda", dtype=dtype), w, None,
                                       head_gate=(gate.detach() > 0.5).float())
-    for b, h, t, dh, groups, window in DCMHA_CASES:
+    def dcmha(b, h, t, dh, groups, window, dtype):
+        q, k, v = (torch.randn(b, h, t, dh, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        w1 = torch.randn(b, t, 4, 2, h, device="cuda", dtype=dtype, requires_grad=True)
+        w2 = (0.1 * torch.randn(b, t, 4, 2, h, device="cuda", dtype=dtype)).requires_grad_()
+        g = (0.1 * torch.randn(b, t, 4, h, device="cuda", dtype=dtype)).requires_grad_()
+        out = headwise.dcmha_attention(q, k, v, headwise.DCMHAWeights(w1, w2, g), window=window, head_groups=groups)
+        out.float().sum().backward()
+
+    for case in DCMHA_CASES:
         for dtype in (torch.float32, torch.bfloat16):
-            q, k, v = (torch.randn(b, h, t, dh, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-            w1 = torch.randn(b, t, 4, 2, h, device="cuda", dtype=dtype, requires_grad=True)
-            w2 = (0.1 * torch.randn(b, t, 4, 2, h, device="cuda", dtype=dtype)).requires_grad_()
-            g = (0.1 * torch.randn(b, t, 4, h, device="cuda", dtype=dtype)).requires_grad_()
-            out = headwise.dcmha_attention(q, k, v, headwise.DCMHAWeights(w1, w2, g), window=window,
-                                           head_groups=groups)
-            out.float().sum().backward()
+            dcmha(*case, dtype)
+    # 64-row query chunks (a 1-byte scratch cap): the tensor-core kernels' chunk loops, and
+    # the backward's fp32 dk / dv / key-grad sums over chunks.
+    os.environ["HEADWISE_DCMHA_SCRATCH_BYTES"] = "1"
+    dcmha(1, 2, 150, 16, 1, 90, torch.bfloat16)
+    del os.environ["HEADWISE_DCMHA_SCRATCH_BYTES"]
     torch.cuda.synchronize()
     print("sanitize_cases: ok")
 

@@ -91,8 +91,10 @@ constexpr int64_t kScratchBytes = int64_t(256) << 20;
 
 struct MmaAttnParams {
   AttnParams f;
-  const float* wt;   // [B, H, 20, T] transposed weights
-  float* partials;   // [B * G, 8, chunk, T]
+  const float* wt;   // [B, H, wfields, T] transposed weights (fields 0-19; the backward adds 20-22)
+  float* partials;   // [B * G, pfields, chunk, T]: fields 0-7 (a, b, c, d) written by the partials kernel
+  int wfields;       // kWeightFields in the forward, kBwdWeightFields in the backward
+  int pfields;       // 8 in the forward, kBwdPartFields in the backward
   int chunk0;        // first query row of this chunk
   int chunk;         // rows of the scratch (a multiple of 64)
   int dh_pad, dv_pad;
@@ -193,8 +195,69 @@ __device__ __forceinline__ void qk_tile(float (&acc)[kKeyN8][4], const T* qs, co
     for (int e = 0; e < 4; ++e) acc[j][e] *= scale;
 }
 
-// Kernel 0: wt[b, h, f, t] = the weight field f of (b, t, h). CTA per (32 rows, b).
-__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_weights_t(const AttnParams p, float* wt) {
+// o[j] += A B for the warp's 16 rows: A = the warp's 16 x 32 accumulator fragment acc packed
+// to T (k = the tile's 32 columns, two k16 steps), B = smem rows [32][ld] (k = the row) read
+// by ldmatrix.trans; n8 tiles j < n8 (<= DTiles).
+template <typename T, int DTiles>
+__device__ __forceinline__ void fragment_times_rows(float (&o)[DTiles][4], const float (&acc)[kKeyN8][4], const T* rows,
+                                                    int ld, int n8, int lane) {
+  const int quad = lane / 8, rq8 = lane % 8;
+#pragma unroll
+  for (int kk = 0; kk < kTileKeys / 16; ++kk) {
+    uint32_t fa[4];
+    fa[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+    fa[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+    fa[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+    fa[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+#pragma unroll
+    for (int j = 0; j < DTiles; j += 2) {
+      if (j >= n8) break;
+      uint32_t r[4];
+      hw::ldmatrix<4, true>(r, rows + (kk * 16 + (quad & 1) * 8 + rq8) * ld + (j + (quad >> 1)) * 8);
+      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+      mma_bf<T>(o[j], fa, b0);
+      mma_bf<T>(o[j + 1], fa, b1);
+    }
+  }
+}
+
+// The CTA's [64, d] tile o (warp w holds rows 16 w.., n8 tiles j < n8) to rows q0.. of
+// out [T, d]: staged in smem stage [64][ld] (free when called: the caller synchronizes),
+// then stored in 16-byte chunks when vec16, else per element.
+template <typename T, int DTiles>
+__device__ __forceinline__ void store_row_tile(const float (&o)[DTiles][4], T* stage, int ld, int n8, T* out, int q0,
+                                               int TT, int d, int vec16, int warp, int lane) {
+  const int gq = lane / 4, tq = lane % 4;
+#pragma unroll
+  for (int j = 0; j < DTiles; ++j) {
+    if (j >= n8) break;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq;
+      stage[r * ld + c] = static_cast<T>(o[j][2 * h]);
+      stage[r * ld + c + 1] = static_cast<T>(o[j][2 * h + 1]);
+    }
+  }
+  __syncthreads();
+  const int rows = TT - q0 < kTileRows ? TT - q0 : kTileRows;
+  if (vec16) {
+    const int chunks = d / 8;
+    for (int x = threadIdx.x; x < rows * chunks; x += blockDim.x) {
+      const int r = x / chunks, c = x % chunks;
+      hw::store_pack<T, 8>(out + static_cast<int64_t>(q0 + r) * d + c * 8,
+                           *reinterpret_cast<const hw::Pack<T, 8>*>(stage + r * ld + c * 8));
+    }
+  } else {
+    for (int x = threadIdx.x; x < rows * d; x += blockDim.x) {
+      const int r = x / d, c = x % d;
+      out[static_cast<int64_t>(q0 + r) * d + c] = stage[r * ld + c];
+    }
+  }
+}
+
+// Kernel 0: wt[b, h, f, t] = the weight field f < 20 of (b, t, h), wt's field pitch `wfields`.
+// CTA per (32 rows, b).
+__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_weights_t(const AttnParams p, float* wt, int wfields) {
   constexpr int kRows = 32;
   const int b = blockIdx.y, t0 = blockIdx.x * kRows, H = p.H, TT = p.T;
   float* s = reinterpret_cast<float*>(hw::dynamic_shared_memory());  // [20 H][kRows + 1]
@@ -214,7 +277,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_weights_t(const AttnPa
     const int j = i / kRows, r = i % kRows;
     if (r >= rows) continue;
     const int f = j / H, h = j % H;
-    wt[((static_cast<int64_t>(b) * H + h) * kWeightFields + f) * TT + t0 + r] = s[j * (kRows + 1) + r];
+    wt[((static_cast<int64_t>(b) * H + h) * wfields + f) * TT + t0 + r] = s[j * (kRows + 1) + r];
   }
 }
 
@@ -249,7 +312,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const float* wt = mp.wt;
-  auto wrow = [&](int n, int f) { return wt + ((static_cast<int64_t>(b) * H + h0 + n) * kWeightFields + f) * TT; };
+  auto wrow = [&](int n, int f) { return wt + ((static_cast<int64_t>(b) * H + h0 + n) * mp.wfields + f) * TT; };
   // Field numbers of the 7 loop fields, for the query side (row) and key side (column).
   auto loop_field = [](int i, bool key) {
     const int c = key ? 1 : 0;
@@ -396,7 +459,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
         }
       if (n == hg - 1) {
         // The tile's 8 partials to the scratch [bg][8][chunk][T].
-        float* out = mp.partials + static_cast<int64_t>(bg) * 8 * mp.chunk * TT;
+        float* out = mp.partials + static_cast<int64_t>(bg) * mp.pfields * mp.chunk * TT;
 #pragma unroll
         for (int j = 0; j < kKeyN8; ++j)
 #pragma unroll
@@ -465,8 +528,8 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
   const T* q = static_cast<const T*>(p.q) + head * TT * p.dh;
   const T* k = static_cast<const T*>(p.k) + head * TT * p.dh;
   const T* v = static_cast<const T*>(p.v) + head * TT * p.dv;
-  const float* wt = mp.wt + head * kWeightFields * TT;
-  const float* part = mp.partials + static_cast<int64_t>(bg) * 8 * mp.chunk * TT;
+  const float* wt = mp.wt + head * mp.wfields * TT;
+  const float* part = mp.partials + static_cast<int64_t>(bg) * mp.pfields * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
   // Column field f < 6: W2 r0, W2 r1, G of slot 1 (pre), then of slot 3 (post).
   auto out_field = [](int f) {
@@ -517,7 +580,6 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
     for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
 
   issue(0);
-  const int quad = lane / 8, rq8 = lane % 8;
   for (int i = 0; i < n_tiles; ++i) {
     const int stage = i & 1, s0 = (kt_lo + i) * kTileKeys;
     __syncthreads();
@@ -567,54 +629,12 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
           acc[j][e] = y;
         }
       }
-    // O += P' V: P' as A fragments (k = the 32 keys in two k16 steps), V by ldmatrix.trans.
-    const T* vs = vbuf + stage * kTileKeys * ldv;
-#pragma unroll
-    for (int kk = 0; kk < kTileKeys / 16; ++kk) {
-      uint32_t fa[4];
-      fa[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
-      fa[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
-      fa[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
-      fa[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
-#pragma unroll
-      for (int j = 0; j < DvTiles; j += 2) {
-        if (j >= dv_n8) break;
-        uint32_t r[4];
-        hw::ldmatrix<4, true>(r, vs + (kk * 16 + (quad & 1) * 8 + rq8) * ldv + (j + (quad >> 1)) * 8);
-        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-        mma_bf<T>(o[j], fa, b0);
-        mma_bf<T>(o[j + 1], fa, b1);
-      }
-    }
+    // O += P' V: P' as A fragments (k = the 32 keys), V by ldmatrix.trans.
+    fragment_times_rows<T>(o, acc, vbuf + stage * kTileKeys * ldv, ldv, dv_n8, lane);
   }
   hw::cp_async_wait<0>();
   __syncthreads();  // every warp is done with qs: it takes the O tile
-#pragma unroll
-  for (int j = 0; j < DvTiles; ++j) {
-    if (j >= dv_n8) break;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq;
-      qs[r * ldv + c] = static_cast<T>(o[j][2 * h]);
-      qs[r * ldv + c + 1] = static_cast<T>(o[j][2 * h + 1]);
-    }
-  }
-  __syncthreads();
-  T* out = static_cast<T*>(p.out) + head * TT * p.dv;
-  const int rows = TT - q0 < kTileRows ? TT - q0 : kTileRows;
-  if (mp.vec16) {
-    const int chunks = p.dv / 8;
-    for (int x = threadIdx.x; x < rows * chunks; x += blockDim.x) {
-      const int r = x / chunks, c = x % chunks;
-      hw::store_pack<T, 8>(out + static_cast<int64_t>(q0 + r) * p.dv + c * 8,
-                           *reinterpret_cast<const hw::Pack<T, 8>*>(qs + r * ldv + c * 8));
-    }
-  } else {
-    for (int x = threadIdx.x; x < rows * p.dv; x += blockDim.x) {
-      const int r = x / p.dv, c = x % p.dv;
-      out[static_cast<int64_t>(q0 + r) * p.dv + c] = qs[r * ldv + c];
-    }
-  }
+  store_row_tile<T>(o, qs, ldv, dv_n8, static_cast<T*>(p.out) + head * TT * p.dv, q0, TT, p.dv, mp.vec16, warp, lane);
 }
 
 }  // namespace dcmha

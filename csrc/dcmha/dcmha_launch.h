@@ -10,6 +10,7 @@
 #include "dcmha_args.h"
 #include "dcmha_attention_bwd_kernel.cuh"
 #include "dcmha_attention_kernel.cuh"
+#include "dcmha_attention_mma_bwd_kernel.cuh"
 #include "dcmha_attention_mma_kernel.cuh"
 #include "dcmha_kernel.cuh"
 #include "dcmha_ops.h"
@@ -88,23 +89,32 @@ inline int64_t fit_rows(const std::function<int64_t(int)>& layout) {
 
 inline bool aligned16_ptr(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// A window of at least T keeps every pair a window can keep (s > t - W for all t, s < T),
+// causal or not: 0 (none) there, so the kernels' int arithmetic (s + W, t - W) cannot overflow.
+inline int64_t effective_window(int64_t window, int64_t T) { return window >= T ? 0 : window; }
+
 }  // namespace
 
 namespace {
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Rows of a query chunk of the tensor-core kernels: a multiple of 64 keeping the scratch
+// B G fields chunk T fp32 under kScratchBytes (HEADWISE_DCMHA_SCRATCH_BYTES overrides it,
+// for tests of the chunk loop), at least 64, at most T rounded up to 64.
+inline int64_t query_chunk_rows(const AttnParams& p, int64_t fields) {
+  const int64_t tiles = (p.T + kTileRows - 1) / kTileRows;
+  int64_t cap = kScratchBytes;
+  if (const char* env = std::getenv("HEADWISE_DCMHA_SCRATCH_BYTES")) cap = std::max<int64_t>(1, std::atoll(env));
+  const int64_t row_bytes = static_cast<int64_t>(p.B) * (p.H / p.hg) * fields * p.T * 4;
+  return std::min(tiles, std::max<int64_t>(1, cap / (row_bytes * kTileRows))) * kTileRows;
+}
 
 // The tensor-core forward (bf16 / fp16): transposed weights, statistics, then per query
 // chunk the rank partials and the output. p holds the forward's pointers and shape.
 inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& out, int dh_pad, int dv_pad) {
   const int64_t groups = p.H / p.hg;
-  const int64_t tiles = (p.T + kTileRows - 1) / kTileRows;
-  // Scratch rows per chunk: a multiple of 64 keeping B G 8 chunk T fp32 under kScratchBytes
-  // (HEADWISE_DCMHA_SCRATCH_BYTES overrides it, for tests of the chunk loop), at least 64.
-  int64_t cap = kScratchBytes;
-  if (const char* env = std::getenv("HEADWISE_DCMHA_SCRATCH_BYTES")) cap = std::max<int64_t>(1, std::atoll(env));
-  const int64_t row_bytes = static_cast<int64_t>(p.B) * groups * 8 * p.T * 4;
-  const int64_t chunk = std::min(tiles, std::max<int64_t>(1, cap / (row_bytes * kTileRows))) * kTileRows;
+  const int64_t chunk = query_chunk_rows(p, 8);
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kWeightFields, p.T}, fopt);
   at::Tensor partials = at::empty({p.B * groups, 8, chunk, p.T}, fopt);
@@ -113,6 +123,8 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
   mp.wt = wt.data_ptr<float>();
   mp.partials = partials.data_ptr<float>();
   mp.chunk = static_cast<int>(chunk);
+  mp.wfields = kWeightFields;
+  mp.pfields = 8;
   mp.dh_pad = dh_pad;
   mp.dv_pad = dv_pad;
   mp.vec16 = p.dh % 8 == 0 && p.dv % 8 == 0 && aligned16(q.data_ptr()) && aligned16(k.data_ptr()) &&
@@ -133,8 +145,8 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
       hw::allow_dynamic_smem("dcmha_attention", kp, loop_smem);
       hw::allow_dynamic_smem("dcmha_attention", ko, out_smem);
       HW_LAUNCH("dcmha_attn_weights_t", kw, dim3(static_cast<unsigned>((p.T + 31) / 32), static_cast<unsigned>(p.B)),
-                dim3(kMmaThreads), wt_smem, p, wt.data_ptr<float>());
-      HW_LAUNCH("dcmha_attn_stats", ks, dim3(1, static_cast<unsigned>(tiles), bg), dim3(kMmaThreads), loop_smem, mp);
+                dim3(kMmaThreads), wt_smem, p, wt.data_ptr<float>(), kWeightFields);
+      HW_LAUNCH("dcmha_attn_stats", ks, dim3(1, static_cast<unsigned>((p.T + kTileRows - 1) / kTileRows), bg), dim3(kMmaThreads), loop_smem, mp);
       for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
         mp.chunk0 = static_cast<int>(c0);
         const unsigned chunk_tiles = static_cast<unsigned>((std::min<int64_t>(chunk, p.T - c0) + kTileRows - 1) / kTileRows);
@@ -146,6 +158,111 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
       }
     }
   });
+}
+
+// Whether the tensor-core backward takes this call: bf16 / fp16, dh and dv padded to at
+// most 128 (the dq / dk / dv accumulators of a warp's 16 rows), every kernel's shared
+// memory within the device's opt-in limit, grids within CUDA's limits.
+inline bool mma_backward_fits(const AttnParams& p, at::ScalarType dtype, int dh_pad, int dv_pad) {
+  const size_t limit = hw::max_dynamic_smem_optin();
+  const int64_t need = std::max({mma_loop_smem_bytes(p.hg, dh_pad), bwd_sweep_smem_bytes(true, dh_pad, dv_pad),
+                                 bwd_rows_smem_bytes(dh_pad, dv_pad), bwd_keys_smem_bytes(dh_pad, dv_pad),
+                                 static_cast<int64_t>(kWeightFields) * p.H * 33 * 4});
+  return dtype != at::kFloat && dh_pad <= 128 && dv_pad <= 128 && static_cast<size_t>(need) <= limit &&
+         static_cast<int64_t>(p.B) * (p.H / p.hg) <= 65535 && p.B <= 65535 && p.H <= 65535 &&
+         (static_cast<int64_t>(p.T) + kTileRows - 1) / kTileRows <= 65535;
+}
+
+// The tensor-core backward (dcmha_attention_mma_bwd_kernel.cuh): the weights table with
+// the row statistics, then per query chunk the seven launches. dq is written; dk, dv are
+// accumulated in fp32 and converted; the weight grads go through the grads table to dw1,
+// dw2, dg (fp32, every element written).
+inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, const at::Tensor& dout, const at::Tensor& stats,
+                                          at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dw1,
+                                          at::Tensor& dw2, at::Tensor& dg, int dh_pad, int dv_pad) {
+  const int64_t groups = p.H / p.hg;
+  const int64_t chunk = query_chunk_rows(p, kBwdPartFields);
+  const at::TensorOptions fopt = q.options().dtype(at::kFloat);
+  at::Tensor wt = at::empty({p.B, p.H, kBwdWeightFields, p.T}, fopt);
+  wt.select(2, kFieldM).copy_(stats[0]);
+  wt.select(2, kFieldInvZ).copy_(at::where(stats[1] > 0, stats[1].reciprocal(), at::zeros({}, fopt)));
+  // Zeroed: the key-tile kernels' lanes read (t, s) of other tiles' bands too (then drop
+  // the values), and no read may be of uninitialized memory (compute-sanitizer initcheck).
+  at::Tensor partials = at::zeros({p.B * groups, kBwdPartFields, chunk, p.T}, fopt);
+  at::Tensor dk32 = at::zeros(k.sizes(), fopt), dv32 = at::zeros(v.sizes(), fopt);
+  at::Tensor gt = at::zeros({p.B, p.H, kWeightFields, p.T}, fopt);
+  MmaAttnBwdParams bp{};
+  bp.m.f = p;
+  bp.m.wt = wt.data_ptr<float>();
+  bp.m.partials = partials.data_ptr<float>();
+  bp.m.chunk = static_cast<int>(chunk);
+  bp.m.wfields = kBwdWeightFields;
+  bp.m.pfields = kBwdPartFields;
+  bp.m.dh_pad = dh_pad;
+  bp.m.dv_pad = dv_pad;
+  bp.m.vec16 = p.dh % 8 == 0 && p.dv % 8 == 0 && aligned16(q.data_ptr()) && aligned16(k.data_ptr()) &&
+               aligned16(v.data_ptr()) && aligned16(dout.data_ptr()) && aligned16(dq.data_ptr());
+  bp.wt = wt.data_ptr<float>();
+  bp.dout = dout.data_ptr();
+  bp.dq = dq.data_ptr();
+  bp.dk = dk32.data_ptr<float>();
+  bp.dv = dv32.data_ptr<float>();
+  bp.gt = gt.data_ptr<float>();
+  const size_t wt_smem = static_cast<size_t>(kWeightFields) * p.H * 33 * sizeof(float);
+  const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad));
+  const size_t post_smem = static_cast<size_t>(bwd_sweep_smem_bytes(false, dh_pad, dv_pad));
+  const size_t pre_smem = static_cast<size_t>(bwd_sweep_smem_bytes(true, dh_pad, dv_pad));
+  const size_t rows_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad));
+  const size_t keys_smem = static_cast<size_t>(bwd_keys_smem_bytes(dh_pad, dv_pad));
+  const unsigned bg = static_cast<unsigned>(p.B * groups), H = static_cast<unsigned>(p.H),
+                 B = static_cast<unsigned>(p.B);
+  const unsigned splits = static_cast<unsigned>((p.T + kSplitKeys - 1) / kSplitKeys);
+  const unsigned key_tiles = static_cast<unsigned>((p.T + kTileRows - 1) / kTileRows);
+  dispatch_storage_dtype(q.scalar_type(), "dcmha_attention_backward", "q", [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same<T, float>::value) {
+      auto kw = &dcmha_attn_weights_t;
+      auto kp = &dcmha_attn_sweep<T, true>;
+      auto k_post = &dcmha_attn_bwd_sweep<T, false>;
+      auto k_pre = &dcmha_attn_bwd_sweep<T, true>;
+      auto k_rowsum = &dcmha_attn_bwd_rows<T, false, 4>;
+      auto k_dq = dh_pad <= 32 ? &dcmha_attn_bwd_rows<T, true, 4> : &dcmha_attn_bwd_rows<T, true, 16>;
+      auto k_dv = dv_pad <= 32 ? &dcmha_attn_bwd_keys<T, false, 4> : &dcmha_attn_bwd_keys<T, false, 16>;
+      auto k_dk = dh_pad <= 32 ? &dcmha_attn_bwd_keys<T, true, 4> : &dcmha_attn_bwd_keys<T, true, 16>;
+      const char* op = "dcmha_attention_backward";
+      hw::allow_dynamic_smem(op, kw, wt_smem);
+      hw::allow_dynamic_smem(op, kp, loop_smem);
+      hw::allow_dynamic_smem(op, k_post, post_smem);
+      hw::allow_dynamic_smem(op, k_pre, pre_smem);
+      hw::allow_dynamic_smem(op, k_rowsum, rows_smem);
+      hw::allow_dynamic_smem(op, k_dq, rows_smem);
+      hw::allow_dynamic_smem(op, k_dv, keys_smem);
+      hw::allow_dynamic_smem(op, k_dk, keys_smem);
+      HW_LAUNCH("dcmha_attn_weights_t", kw, dim3(static_cast<unsigned>((p.T + 31) / 32), B), dim3(kMmaThreads),
+                wt_smem, p, wt.data_ptr<float>(), kBwdWeightFields);
+      for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
+        bp.m.chunk0 = static_cast<int>(c0);
+        const unsigned tiles =
+            static_cast<unsigned>((std::min<int64_t>(chunk, p.T - c0) + kTileRows - 1) / kTileRows);
+        const dim3 sweep_grid(splits, tiles, bg), rows_grid(tiles, H, B), keys_grid(key_tiles, H, B);
+        HW_LAUNCH("dcmha_attn_partials", kp, sweep_grid, dim3(kMmaThreads), loop_smem, bp.m);
+        HW_LAUNCH("dcmha_attn_bwd_dpost", k_post, sweep_grid, dim3(kMmaThreads), post_smem, bp);
+        HW_LAUNCH("dcmha_attn_bwd_rowsum", k_rowsum, rows_grid, dim3(kMmaThreads), rows_smem, bp);
+        HW_LAUNCH("dcmha_attn_bwd_dpre", k_pre, sweep_grid, dim3(kMmaThreads), pre_smem, bp);
+        HW_LAUNCH("dcmha_attn_bwd_dq", k_dq, rows_grid, dim3(kMmaThreads), rows_smem, bp);
+        HW_LAUNCH("dcmha_attn_bwd_dv", k_dv, keys_grid, dim3(kMmaThreads), keys_smem, bp);
+        HW_LAUNCH("dcmha_attn_bwd_dk", k_dk, keys_grid, dim3(kMmaThreads), keys_smem, bp);
+      }
+    }
+  });
+  hw::allow_dynamic_smem("dcmha_attention_backward", &dcmha_attn_grads_untranspose, wt_smem);
+  HW_LAUNCH("dcmha_attn_grads_untranspose", dcmha_attn_grads_untranspose,
+            dim3(static_cast<unsigned>((p.T + 31) / 32), B), dim3(kMmaThreads), wt_smem, p,
+            static_cast<const float*>(gt.data_ptr<float>()), dw1.data_ptr<float>(), dw2.data_ptr<float>(),
+            dg.data_ptr<float>());
+  dk.copy_(dk32);
+  dv.copy_(dv32);
 }
 }  // namespace
 
@@ -329,7 +446,7 @@ std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q
   p.dh = static_cast<int>(s.head_dim);
   p.dv = static_cast<int>(s.v_dim);
   p.causal = causal ? 1 : 0;
-  p.window = static_cast<int>(window);
+  p.window = static_cast<int>(effective_window(window, s.seq));
   p.scale = static_cast<float>(scale);
   const int dh_pad = static_cast<int>((s.head_dim + 15) / 16 * 16), dv_pad = static_cast<int>((s.v_dim + 15) / 16 * 16);
   // bf16 / fp16 with dv <= 128 take the tensor-core kernels (dcmha_attention_mma_kernel.cuh)
@@ -341,7 +458,8 @@ std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q
                             static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad)) <= smem_limit &&
                             static_cast<size_t>(mma_out_smem_bytes(dh_pad, dv_pad)) <= smem_limit &&
                             static_cast<size_t>(kWeightFields) * p.H * 33 * sizeof(float) <= smem_limit &&
-                            s.batch * s.head_groups <= 65535 && s.batch <= 65535 && s.heads <= 65535;
+                            s.batch * s.head_groups <= 65535 && s.batch <= 65535 && s.heads <= 65535 &&
+                            (s.seq + kTileRows - 1) / kTileRows <= 65535;
   if (!tensor_cores) {
     dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [&](auto tag) {
       using T = decltype(tag);
@@ -388,8 +506,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor dw1 = new_output(w1f.sizes(), w1f.options());  // every element written by the kernels
   at::Tensor dw2 = new_output(w2f.sizes(), w2f.options());
   at::Tensor dg = new_output(gf.sizes(), gf.options());
-  at::Tensor D = new_output({s.batch, s.heads, s.seq}, w1f.options());
-  if (s.batch * s.seq > 0) {
+  const int dh_pad = static_cast<int>((s.head_dim + 15) / 16 * 16), dv_pad = static_cast<int>((s.v_dim + 15) / 16 * 16);
+  AttnParams shape{};
+  shape.B = static_cast<int>(s.batch);
+  shape.T = static_cast<int>(s.seq);
+  shape.H = static_cast<int>(s.heads);
+  shape.hg = static_cast<int>(s.heads / s.head_groups);
+  if (s.batch * s.seq > 0 && mma_backward_fits(shape, q.scalar_type(), dh_pad, dv_pad)) {
+    // bf16 / fp16 on the tensor-core kernels; the key-slot grads are sums over chunks.
+    AttnParams f = shape;
+    f.q = qc.data_ptr();
+    f.k = kc.data_ptr();
+    f.v = vc.data_ptr();
+    f.w1 = w1f.data_ptr<float>();
+    f.w2 = w2f.data_ptr<float>();
+    f.g = gf.data_ptr<float>();
+    f.stats = st.data_ptr<float>();
+    f.dh = static_cast<int>(s.head_dim);
+    f.dv = static_cast<int>(s.v_dim);
+    f.causal = causal ? 1 : 0;
+    f.window = static_cast<int>(effective_window(window, s.seq));
+    f.scale = static_cast<float>(scale);
+    launch_mma_attention_backward(f, qc, kc, vc, dout, st, dq, dk, dv, dw1, dw2, dg, dh_pad, dv_pad);
+  } else if (s.batch * s.seq > 0) {
+    at::Tensor D = new_output({s.batch, s.heads, s.seq}, w1f.options());  // rowsum(P dP) for the key kernel
     AttnBwdParams p{};
     p.f.q = qc.data_ptr();
     p.f.k = kc.data_ptr();
@@ -404,7 +544,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     p.f.dh = static_cast<int>(s.head_dim);
     p.f.dv = static_cast<int>(s.v_dim);
     p.f.causal = causal ? 1 : 0;
-    p.f.window = static_cast<int>(window);
+    p.f.window = static_cast<int>(effective_window(window, s.seq));
     p.f.scale = static_cast<float>(scale);
     p.stats = st.data_ptr<float>();
     p.dout = dout.data_ptr();

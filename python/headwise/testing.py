@@ -64,3 +64,19 @@ def with_one_and_many_threads(run):
     finally:
         torch.set_num_threads(threads)
     return one, many
+
+
+def profiled_launches(run):
+    """``(run(), launch records)``: run() with the profile library's counters on (its
+    ops, ``headwise.ops.load_profile_library()``, run the emulated kernels instrumented),
+    and one dict per kernel launch it made (``kernel`` name, grid, mma count, sectors...)."""
+    import json
+
+    lib = torch.ops.headwise_sim_profile
+    lib.sim_profile_take()  # drop anything recorded before
+    lib.sim_profile_enable(True)
+    try:
+        result = run()
+    finally:
+        lib.sim_profile_enable(False)
+    return result, json.loads(lib.sim_profile_take())

@@ -223,3 +223,108 @@ def test_sim_tensor_core_scratch_is_bounded_by_the_query_chunk(monkeypatch):
     allocs = [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0]
     assert allocs, "the profiler saw no allocation"
     assert max(allocs) <= b * 8 * 64 * t * 4, max(allocs)
+
+
+# The bf16 / fp16 backward runs on the tensor-core kernels (dcmha_attention_mma_bwd_kernel.cuh):
+# dS, dP' and P' are rounded to the input dtype for the dq / dk / dv products, as in flash
+# attention's backward.
+MMA_BWD_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+TC_BACKWARD_KERNELS = {"dcmha_attn_partials", "dcmha_attn_bwd_dpost", "dcmha_attn_bwd_rowsum", "dcmha_attn_bwd_dpre",
+                       "dcmha_attn_bwd_dq", "dcmha_attn_bwd_dv", "dcmha_attn_bwd_dk", "dcmha_attn_grads_untranspose"}
+
+
+def _forward_backward(fn, q, k, v, w, grad, kw):
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, *w)]
+    out = fn(*leaves[:3], DCMHAWeights(*leaves[3:]), **kw)
+    out.backward(grad)
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+def _mma_backward_case(ops_fn, b, h, t, dh, dv, kw, dtype):
+    (q, k, v), w = _mma_inputs(b, h, t, dh, dv, dtype)
+    grad = torch.randn(b, h, t, dv, generator=torch.Generator().manual_seed(7)).to(dtype)
+    got = _forward_backward(ops_fn, q, k, v, w, grad, kw)
+    want = _forward_backward(reference.dcmha_attention, *(x.double() for x in (q, k, v)),
+                             DCMHAWeights(*(x.double() for x in w)), grad.double(), kw)
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("b,h,t,dh,dv,kw", MMA_CASES + [(1, 2, 67, 128, 128, {})])
+def test_sim_tensor_core_backward_matches_reference(b, h, t, dh, dv, kw, dtype):
+    got, want = _mma_backward_case(SIM.dcmha_attention, b, h, t, dh, dv, kw, dtype)
+    for name, x, y in zip(NAMES[1:], got[1:], want[1:]):
+        err = rel_err(x.double(), y)
+        assert err <= MMA_BWD_TOL[dtype], f"{name}: relative error {err:.3g}"
+    assert [x.dtype for x in got[1:4]] == [dtype] * 3
+
+
+def test_sim_tensor_core_backward_runs_on_mma_with_coalesced_accesses():
+    """The bf16 backward takes the tensor-core kernels (not the SIMT ones), each of its
+    product kernels issues mma.sync, and every kernel's global loads and stores are within
+    1.1x of the ideal sectors per request."""
+    import importlib.util
+
+    if importlib.util.find_spec("headwise._sim_profile") is None:
+        pytest.skip("headwise._sim_profile not built")
+    from headwise.ops import load_profile_library
+    from headwise.testing import profiled_launches
+
+    ops = load_profile_library()
+    (got, want), recs = profiled_launches(
+        lambda: _mma_backward_case(ops.dcmha_attention, 1, 2, 128, 64, 64, {}, torch.bfloat16))
+    for name, x, y in zip(NAMES[1:], got[1:], want[1:]):
+        assert rel_err(x.double(), y) <= MMA_BWD_TOL[torch.bfloat16], name
+    names = {r["kernel"] for r in recs}
+    assert TC_BACKWARD_KERNELS <= names, names
+    assert not names & {"dcmha_attention_bwd_query", "dcmha_attention_bwd_key"}
+    for r in recs:
+        if r["kernel"] in TC_BACKWARD_KERNELS - {"dcmha_attn_grads_untranspose"}:
+            assert r["mma"] > 0, r["kernel"]
+        if r["kernel"] in TC_BACKWARD_KERNELS:
+            for kind in ("global_load_sectors", "global_store_sectors"):
+                assert r[kind] <= 1.1 * r[kind + "_ideal"], (r["kernel"], kind, r[kind], r[kind + "_ideal"])
+
+
+@pytest.mark.parametrize("case", [(1, 4, 150, 16, 16, dict(window=90)),
+                                  (2, 4, 131, 8, 8, dict(causal=False, head_groups=2)),
+                                  (1, 2, 129, 24, 40, dict(causal=False, window=40))], ids=str)
+def test_sim_tensor_core_backward_query_chunks(monkeypatch, case):
+    # 64-row query chunks (a scratch cap of 1 byte): dk, dv and the key-slot grads become
+    # sums over the chunks (another order than one chunk's), the rest is the same
+    # arithmetic; both agree with the reference and each is bitwise repeatable.
+    case = (*case, torch.bfloat16)
+    whole, want = _mma_backward_case(SIM.dcmha_attention, *case)
+    monkeypatch.setenv("HEADWISE_DCMHA_SCRATCH_BYTES", "1")
+    chunked, _ = _mma_backward_case(SIM.dcmha_attention, *case)
+    again, _ = _mma_backward_case(SIM.dcmha_attention, *case)
+    for name, x, y, z, r in zip(NAMES, whole, chunked, again, want):
+        assert torch.equal(y, z), name
+        assert rel_err(y.double(), r) <= MMA_BWD_TOL[torch.bfloat16], name
+        if name in ("out", "grad q"):
+            assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("optin", [101376, 166912], ids=["sm86_99KiB", "sm80_163KiB"])
+def test_sim_tensor_core_backward_falls_back_where_it_does_not_fit(monkeypatch, optin):
+    # dh = 200 (padded beyond the 128 the warp accumulators hold) and, on a 99 KiB part,
+    # dh = dv = 128 (the dP sweep's 114 KiB) take the SIMT backward.
+    dh, dv = (128, 128) if optin == 101376 else (200, 8)
+    monkeypatch.setenv("HEADWISE_SIM_SMEM_OPTIN", str(optin))
+    got, want = _mma_backward_case(SIM.dcmha_attention, 1, 2, 5, dh, dv, {}, torch.bfloat16)
+    for name, x, y in zip(NAMES[1:], got[1:], want[1:]):
+        assert rel_err(x.double(), y) <= MMA_BWD_TOL[torch.bfloat16], name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["simt", "tensor_cores"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_sim_window_of_at_least_t_is_no_window(dtype, causal):
+    # window >= T keeps every pair, as None does; a window near 2^31 must not overflow the
+    # kernels' int arithmetic (s + W) into an empty band.
+    (q, k, v), w = _mma_inputs(1, 2, 70, 8, 8, dtype)
+    grad = torch.randn(1, 2, 70, 8, generator=torch.Generator().manual_seed(3)).to(dtype)
+    none = _forward_backward(SIM.dcmha_attention, q, k, v, w, grad, dict(causal=causal))
+    for window in (70, 2**31 - 1, 2**40):
+        got = _forward_backward(SIM.dcmha_attention, q, k, v, w, grad, dict(causal=causal, window=window))
+        for name, x, y in zip(NAMES, got, none):
+            assert torch.equal(x, y), (window, name)

@@ -5,7 +5,7 @@ import torch
 
 import headwise
 from headwise import reference
-from headwise.testing import rel_err, with_one_and_many_threads
+from headwise.testing import profiled_launches, rel_err, with_one_and_many_threads
 
 FP32_TOL = 1e-5
 
@@ -713,19 +713,6 @@ def test_fp32_follows_torch_matmul_precision():
         assert 1e-5 < err <= 5e-3, (layout, err)
 
 
-def _profile_launches(run):
-    import json
-
-    lib = torch.ops.headwise_sim_profile
-    lib.sim_profile_take()
-    lib.sim_profile_enable(True)
-    try:
-        run()
-    finally:
-        lib.sim_profile_enable(False)
-    return json.loads(lib.sim_profile_take())
-
-
 def test_tensor_core_forward_metrics():
     """Every product on mma.sync (one m16n8k16 per 16x8x16 of each open head's 128x128 tile,
     none for a closed head), global loads at the ideal sectors per request and
@@ -742,7 +729,7 @@ def test_tensor_core_forward_metrics():
     gate = torch.tensor([1.0, 0.0, 0.5])
     for layout in ("bhqd", "bqhd_view"):
         z = make_tc_z(b, h, q, dv, layout, torch.bfloat16)
-        recs = _profile_launches(lambda: ops.head_merge(z, w, bias, head_gate=gate))
+        _, recs = profiled_launches(lambda: ops.head_merge(z, w, bias, head_gate=gate))
         (rec,) = [r for r in recs if r["kernel"] == "head_merge_fwd_tc"]
         open_heads, slices, ksteps, warps = 2, 2, 2, 8
         assert rec["mma"] == open_heads * slices * ksteps * warps * 16

@@ -6,14 +6,13 @@ its accesses coalesce is read from the emulator's profile library; every path is
 against headwise.reference at odd shapes, and the backward for bitwise repeatability."""
 
 import importlib.util
-import json
 
 import pytest
 import torch
 
 import headwise
 from headwise import QKVLayout, reference, testing
-from headwise.testing import rel_err
+from headwise.testing import profiled_launches, rel_err
 
 from test_qkv_rope_forms import BF16_TOL, FP32_TOL, forward_backward, make_case
 
@@ -55,17 +54,6 @@ def check_reference(ops, layout, b, s, d_model, *, dtype, tol, grad_offset=0, **
     return out, got
 
 
-def profiled(fn):
-    lib = torch.ops.headwise_sim_profile
-    lib.sim_profile_take()
-    lib.sim_profile_enable(True)
-    try:
-        result = fn()
-    finally:
-        lib.sim_profile_enable(False)
-    return result, json.loads(lib.sim_profile_take())
-
-
 def epilogue_launches(records):
     return {r["kernel"]: r for r in records if r["kernel"].startswith("qkv_epilogue")}
 
@@ -101,7 +89,7 @@ def test_vector_path_is_taken_and_coalesced(layout, b, s, d_model, rot, style, d
     from headwise.ops import load_profile_library
 
     ops = load_profile_library()
-    _, records = profiled(lambda: run_case(ops, layout, b, s, d_model, dtype=dtype, rot=rot, per_row=True,
+    _, records = profiled_launches(lambda: run_case(ops, layout, b, s, d_model, dtype=dtype, rot=rot, per_row=True,
                                            style=style))
     launches = epilogue_launches(records)
     assert set(launches) == {"qkv_epilogue_fwd", "qkv_epilogue_bwd"}, sorted(launches)
@@ -148,7 +136,7 @@ def test_fallback_is_taken(layout, b, s, d_model, rot, grad_offset, dtype):
     from headwise.ops import load_profile_library
 
     ops = load_profile_library()
-    _, records = profiled(lambda: run_case(ops, layout, b, s, d_model, dtype=dtype, rot=rot, per_row=True,
+    _, records = profiled_launches(lambda: run_case(ops, layout, b, s, d_model, dtype=dtype, rot=rot, per_row=True,
                                            style="rotate_half", grad_offset=grad_offset))
     assert set(epilogue_launches(records)) == {"qkv_epilogue_fwd_scalar", "qkv_epilogue_bwd_scalar"}
 
@@ -171,7 +159,7 @@ def test_misaligned_gradient_views_take_the_fallback(dtype):
         from headwise.ops import load_profile_library
 
         ops = load_profile_library()
-        _, records = profiled(lambda: run_case(ops, layout, 2, 5, 37, dtype=dtype, rot=64, per_row=True,
+        _, records = profiled_launches(lambda: run_case(ops, layout, 2, 5, 37, dtype=dtype, rot=64, per_row=True,
                                                style="rotate_half", grad_offset=1))
         assert set(epilogue_launches(records)) == {"qkv_epilogue_fwd", "qkv_epilogue_bwd_scalar"}
 

@@ -345,12 +345,14 @@ def _attention_bytes(s):
 
 def _attention_flops(s):
     pairs = s["B"] * s["H"] * s["T"] * (s["T"] + 1) // 2
-    bwd = pairs * (int(2.5 * 4 * s["dh"]) + 4 * COMPOSE_FLOPS)
-    # bf16 forward (tensor-core kernels): the pre compose in the statistics sweep, the post
-    # compose's partials in the partials sweep, QK^T and PV in the output kernel.
+    # bf16 (tensor-core kernels, whose FP32 term the model drops): the compose arithmetic
+    # of each kernel; the forward's QK^T and PV, the backward's five products on mma.
     return {"fwd": {"dcmha_attn_weights_t": 0, "dcmha_attn_stats": pairs * COMPOSE_FLOPS,
                     "dcmha_attn_partials": pairs * COMPOSE_FLOPS, "dcmha_attn_output": pairs * 4 * s["dh"]},
-            "bwd": {"dcmha_attention_bwd_query": bwd // 2, "dcmha_attention_bwd_key": bwd // 2}}
+            "bwd": {"dcmha_attn_weights_t": 0, "dcmha_attn_partials": pairs * COMPOSE_FLOPS,
+                    "dcmha_attn_bwd_dpost": pairs * 4, "dcmha_attn_bwd_rowsum": pairs * COMPOSE_FLOPS,
+                    "dcmha_attn_bwd_dpre": pairs * COMPOSE_FLOPS, "dcmha_attn_bwd_dq": pairs * 2 * s["dh"],
+                    "dcmha_attn_bwd_dv": pairs * 2 * s["dh"], "dcmha_attn_bwd_dk": pairs * 2 * s["dh"]}}
 
 
 def _bt(s):

@@ -1,0 +1,686 @@
+// DCMHA fused attention backward on tensor cores (SPEC section 5), bf16 / fp16 inputs with
+// fp32 accumulation; the forward is dcmha_attention_mma_kernel.cuh (its notation below).
+//
+// Math, per (t, s) and head n of a group (S_n = scale q_n[t] . k_n[s]; P, P' of the forward;
+// dP'_n = dO_n[t] . v_n[s]; the rank partials a, b, c, d of the forward):
+//   dc_r = sum_n W2[t,2,r,n] dP'_n           dd_r = sum_n W2[s,3,r,n] dP'_n
+//   dP_n = dP'_n (1 + G[t,2,n] + G[s,3,n]) + sum_r W1[t,2,r,n] dc_r + W1[s,3,r,n] dd_r
+//   D_n[t] = sum_s P_n dP_n,   dL'_n = P_n (dP_n - D_n[t])
+//   da_r = sum_n W2[t,0,r,n] dL'_n           db_r = sum_n W2[s,1,r,n] dL'_n
+//   dL_n = dL'_n (1 + G[t,0,n] + G[s,1,n]) + sum_r W1[t,0,r,n] da_r + W1[s,1,r,n] db_r
+//   dq_n[t] = scale sum_s dL_n k_n[s],  dk_n[s] = scale sum_t dL_n q_n[t],  dv_n[s] = sum_t P'_n dO_n[t]
+//   query slots (sums over s): dG[t,2] = P dP', dW1[t,2,r] = P dc_r, dW2[t,2,r] = c_r dP',
+//                              dG[t,0] = S dL', dW1[t,0,r] = S da_r, dW2[t,0,r] = a_r dL';
+//   key slots (sums over t):   the same with (3, dd, d) and (1, db, b).
+// The heads of a group meet only through the rank sums (dc, dd) and (da, db), as in the
+// forward through (a, b) and (c, d); D needs a whole row of keys before dL' exists.
+//
+// Design: per query chunk (rows [c0, c0 + chunk), the scratch [B G, 16, chunk, T] fp32 of
+// the 16 rank fields a b c d dc dd da db), seven launches, every T x S x d product on
+// mma.sync m16n8k16 (the forward's 64 x 32 warp tiling, qk_tile and fragment_times_rows):
+//   1. dcmha_attn_partials (the forward's kernel): a, b, c, d of the chunk.
+//   2. dcmha_attn_bwd_sweep<Pre = false>: CTA per (256-key split, 64-row query tile, b G);
+//      per key tile and head dP' = dO V^T on mma, dc and dd summed over the group's heads.
+//   3. dcmha_attn_bwd_rows<Dq = false>: CTA per (query tile, head, b); per key tile S and
+//      dP' on mma, P and dP on the fragments: D and the slot-2 weight grads, reduced over
+//      the keys in registers then across the quad (fixed order). D goes to the weights
+//      table (field kFieldD), which the later launches read like the other row fields.
+//   4. dcmha_attn_bwd_sweep<Pre = true>: S and dP' per head, dL': da and db.
+//   5. dcmha_attn_bwd_rows<Dq = true>: dL on the fragments, packed to A fragments,
+//      dq += dL K on mma (K by ldmatrix.trans); the slot-0 grads. dq staged through smem
+//      and stored in 16-byte chunks (every query row lives in one chunk: written once).
+//   6. dcmha_attn_bwd_keys<Dk = false>: CTA per (64-key tile, head, b), the roles of rows
+//      and columns swapped (S^T = K Q^T and dP'^T = V dO^T on mma, the 32 query columns of
+//      the chunk's tiles looped): P' on the fragments, dv += P'^T dO on mma; slot-3 grads.
+//   7. dcmha_attn_bwd_keys<Dk = true>: S^T, dP'^T, dL^T: dk += dL^T Q, the slot-1 grads
+//      (the two slots split between 6 and 7 so that neither spills at 255 registers). dk, dv and the key-slot grads are fp32 buffers that each chunk adds
+//      to in launch order (bitwise repeatable, no atomics); the launcher converts dk, dv.
+// Operands by cp.async (16 bytes, or element copies for unaligned views / odd dims) into
+// [rows][d_pad + 8] smem (ldmatrix conflict-free), double-buffered across key (query)
+// tiles; the per-row and per-column compose weights by 4-byte cp.async into [field][pitch]
+// smem with the tiles they belong to, or into registers for the CTA's own rows.
+//
+// Budget per kept (t, s) and head (d = dh = dv): tensor FLOPs 2 d per product; products
+// per launch 2, 2, 1 (dP'), 2, 3 (+ dq), 3 (S, dP', dv), 3 (S, dP', dk) + the partials' 2
+// (S twice) = 16 products = 32 d FLOPs against flash attention's backward 5 products (10 d): 3.2x.
+// Bytes: the scratch (64 B per (t, s) and group) is read per head by launches 3-7 (up to 48 B
+// each) from L2 / HBM: the term that dominates at dh <= 128 (estimated in bench/RESULTS.md).
+// No tensor scales with T S: the scratch is B G 16 chunk T fp32 with chunk rows chosen
+// under kScratchBytes (256 MiB; 128 rows at B = 8, G = 1, T = 4096) but at least 64 (so
+// B G 4 KiB T where that is over the cap); dk, dv fp32 are O(B H T d), the tables O(B H T).
+// Shared memory (the *_smem_bytes functions; ldq = dh_pad + 8, ldv = dv_pad + 8 elements), at
+// dh = dv = 128: the dL' sweep 111.2 KiB (double-buffered dO, V, Q, K tiles + the weights
+// of a query and a key tile), the dP' sweep 60.2 KiB, the row kernels 70.6 KiB, the key
+// kernels 73.9 KiB: sm_80 / sm_90 (163 / 227 KiB); the 99 KiB parts take the SIMT backward
+// at that size.
+#pragma once
+
+#include "dcmha_attention_mma_kernel.cuh"
+
+#include <cstdint>
+
+namespace headwise {
+namespace dcmha {
+
+// The backward's transposed weights table wt [B, H, kBwdWeightFields, T]: the forward's 20
+// fields, then the row statistics M, 1/Z (0 where Z = 0) and D.
+constexpr int kFieldM = 20, kFieldInvZ = 21, kFieldD = 22, kBwdWeightFields = 23;
+// One side of head n's compose weights: a query row t (slots 0, 2, then M, 1/Z, D) or a key
+// column s (slots 1, 3).
+constexpr int kW1Pre = 0, kW2Pre = 2, kGPre = 4, kW1Post = 5, kW2Post = 7, kGPost = 9;
+constexpr int kKeySide = 10, kStatM = 10, kStatInvZ = 11, kStatD = 12, kQuerySide = 13;
+// The scratch fields per (t, s) and head group.
+constexpr int kPartA = 0, kPartB = 2, kPartC = 4, kPartD = 6, kPartDC = 8, kPartDD = 10, kPartDA = 12, kPartDB = 14;
+constexpr int kBwdPartFields = 16;
+constexpr int kQueryTileCols = 32;  // query rows per step of the key-tile kernels
+
+__host__ __device__ inline int side_wfield(int i, bool key) {
+  if (i >= kKeySide) return kFieldM + (i - kKeySide);
+  const int pre = key ? 1 : 0, post = pre + 2;
+  return i < 2   ? wfield_w1(pre, i)
+         : i < 4 ? wfield_w2(pre, i - 2)
+         : i == 4 ? wfield_g(pre)
+         : i < 7 ? wfield_w1(post, i - 5)
+         : i < 9 ? wfield_w2(post, i - 7)
+                 : wfield_g(post);
+}
+
+struct MmaAttnBwdParams {
+  MmaAttnParams m;   // q, k, v, stats, wt (kBwdWeightFields), partials (kBwdPartFields), chunk
+  float* wt;         // m.wt, writable: launch 3 writes field kFieldD
+  const void* dout;  // [B, H, T, dv]
+  void* dq;          // [B, H, T, dh]
+  float* dk;         // [B, H, T, dh] fp32, added to by every chunk (zeroed by the launcher)
+  float* dv;         // [B, H, T, dv] fp32, likewise
+  float* gt;         // [B, H, 20, T] fp32 weight grads in the weights table's fields (W1, W2, G
+                     // per slot): query slots written, key slots added to (zeroed); the
+                     // launcher transposes it to dw1, dw2, dg (dcmha_attn_grads_untranspose)
+};
+
+// A side held in shared memory: field f of column c at p[f * pitch].
+struct SmemSide {
+  const float* p;
+  int pitch;
+  __device__ __forceinline__ float operator[](int f) const { return p[f * pitch]; }
+};
+
+// Element math (q: query side, k: key side, pt: the 16 scratch fields of (t, s)).
+// The logit in the order of the forward's sweeps (dcmha_attn_sweep), which made M and Z.
+template <class Q, class K>
+__device__ __forceinline__ float bwd_prob(float S, const Q& q, const K& k, const float* pt, bool kept) {
+  float l = S * (1.f + q[kGPre] + k[kGPre]);
+  l += q[kW2Pre] * pt[kPartA] + k[kW2Pre] * pt[kPartB];
+  l += q[kW2Pre + 1] * pt[kPartA + 1] + k[kW2Pre + 1] * pt[kPartB + 1];
+  return kept ? expf(l - q[kStatM]) * q[kStatInvZ] : 0.f;
+}
+template <class Q, class K>
+__device__ __forceinline__ float bwd_post_prob(float P, const Q& q, const K& k, const float* pt, bool kept) {
+  const float y = P * (1.f + q[kGPost] + k[kGPost]) + q[kW2Post] * pt[kPartC] + q[kW2Post + 1] * pt[kPartC + 1] +
+                  k[kW2Post] * pt[kPartD] + k[kW2Post + 1] * pt[kPartD + 1];
+  return kept ? y : 0.f;
+}
+template <class Q, class K>
+__device__ __forceinline__ float bwd_grad_prob(float dPp, const Q& q, const K& k, const float* pt) {
+  return dPp * (1.f + q[kGPost] + k[kGPost]) + q[kW1Post] * pt[kPartDC] + q[kW1Post + 1] * pt[kPartDC + 1] +
+         k[kW1Post] * pt[kPartDD] + k[kW1Post + 1] * pt[kPartDD + 1];
+}
+template <class Q, class K>
+__device__ __forceinline__ float bwd_grad_logit(float dLp, const Q& q, const K& k, const float* pt) {
+  return dLp * (1.f + q[kGPre] + k[kGPre]) + q[kW1Pre] * pt[kPartDA] + q[kW1Pre + 1] * pt[kPartDA + 1] +
+         k[kW1Pre] * pt[kPartDB] + k[kW1Pre + 1] * pt[kPartDB + 1];
+}
+
+// The 5 weight-grad terms of one slot at one element: dG += x dy, dW1[r] += x dp[r],
+// dW2[r] += part[r] dy (x: the slot's input S or P, dy: dL' or dP', dp: da/db or dc/dd,
+// part: a/b or c/d).
+__device__ __forceinline__ void add_slot_grads(float* acc, float x, float dy, const float* dp, const float* part) {
+  acc[0] += x * dy;
+  acc[1] += x * dp[0];
+  acc[2] += x * dp[1];
+  acc[3] += part[0] * dy;
+  acc[4] += part[1] * dy;
+}
+
+// Sum of v over the 4 lanes of a quad (the lanes of one accumulator row), fixed order.
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  return v;
+}
+
+// Stores (Add = false) or adds (Add = true) the 5 grads of slot c of one head at position
+// x (a row t or column s) in the grads table: consecutive positions are consecutive floats.
+template <bool Add>
+__device__ __forceinline__ void put_slot_grads(const MmaAttnBwdParams& bp, int64_t head, int x, int c,
+                                               const float* acc) {
+  const int64_t TT = bp.m.f.T;
+  float* g = bp.gt + head * kWeightFields * TT + x;
+  float* dst[5] = {g + wfield_g(c) * TT, g + wfield_w1(c, 0) * TT, g + wfield_w1(c, 1) * TT,
+                   g + wfield_w2(c, 0) * TT, g + wfield_w2(c, 1) * TT};
+#pragma unroll
+  for (int i = 0; i < 5; ++i) *dst[i] = Add ? *dst[i] + acc[i] : acc[i];
+}
+
+// The grads table [B, H, 20, T] to dw1, dw2 [B, T, 4, R, H] and dg [B, T, 4, H]: the inverse
+// of dcmha_attn_weights_t (CTA per (32 rows, b), through smem [20 H][33]).
+__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_grads_untranspose(const AttnParams p, const float* gt,
+                                                                             float* dw1, float* dw2, float* dg) {
+  constexpr int kRows = 32;
+  const int b = blockIdx.y, t0 = blockIdx.x * kRows, H = p.H, TT = p.T;
+  float* s = reinterpret_cast<float*>(hw::dynamic_shared_memory());
+  const int rows = TT - t0 < kRows ? TT - t0 : kRows;
+  const int per_row = kWeightFields * H;
+  for (int i = threadIdx.x; i < per_row * kRows; i += blockDim.x) {
+    const int j = i / kRows, r = i % kRows;
+    if (r >= rows) continue;
+    const int f = j / H, h = j % H;
+    s[j * (kRows + 1) + r] = gt[((static_cast<int64_t>(b) * H + h) * kWeightFields + f) * TT + t0 + r];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
+    const int r = i / per_row, j = i % per_row;
+    const int64_t row = static_cast<int64_t>(b) * TT + t0 + r;
+    const float x = s[j * (kRows + 1) + r];
+    if (j < 8 * H) dw1[row * 8 * H + j] = x;
+    else if (j < 16 * H) dw2[row * 8 * H + j - 8 * H] = x;
+    else dg[row * 4 * H + j - 16 * H] = x;
+  }
+}
+
+// Fields of side `key` listed in mask, of positions [x0, x0 + n) of one head's weights
+// table row block (wt_head = wt + head * wfields * T), into dst [field][pitch] by 4-byte
+// cp.async (zero past T). Part of the caller's commit group.
+__device__ __forceinline__ void load_side_fields(float* dst, const float* wt_head, int x0, int n, int pitch, int TT,
+                                                 unsigned mask, int nfields, bool key) {
+  for (int i = threadIdx.x; i < nfields * n; i += blockDim.x) {
+    const int f = i / n, c = i % n, x = x0 + c;
+    if (!((mask >> f) & 1u)) continue;
+    const bool inside = x < TT;
+    hw::cp_async_ca<4>(dst + f * pitch + c, inside ? wt_head + static_cast<int64_t>(side_wfield(f, key)) * TT + x
+                                                  : wt_head,
+                       inside ? 4 : 0);
+  }
+}
+
+// Scratch fields of `Mask` (bit i: fields 2i, 2i + 1) of the pair (t, s), (t, s + 1) at
+// offset at: 8-byte loads where `pair`, else element loads (second: s + 1 < T); 0 where !in.
+template <unsigned Mask>
+__device__ __forceinline__ void load_part_pair(float (&pt)[kBwdPartFields][2], const float* part, int64_t plane,
+                                               int64_t at, bool in, bool pair, bool second) {
+#pragma unroll
+  for (int f = 0; f < kBwdPartFields; ++f) {
+    if (!((Mask >> (f / 2)) & 1u)) continue;
+    const float* src = part + f * plane + at;
+    if (!in) {
+      pt[f][0] = pt[f][1] = 0.f;
+    } else if (pair) {
+      hw::load_as_float<2>(src, pt[f]);
+    } else {
+      pt[f][0] = src[0];
+      pt[f][1] = second ? src[1] : 0.f;
+    }
+  }
+}
+
+template <unsigned Mask>
+__device__ __forceinline__ void load_part_one(float (&pt)[kBwdPartFields], const float* part, int64_t plane,
+                                              int64_t at, bool in) {
+#pragma unroll
+  for (int f = 0; f < kBwdPartFields; ++f) {
+    if (!((Mask >> (f / 2)) & 1u)) continue;
+    pt[f] = in ? part[f * plane + at] : 0.f;
+  }
+}
+
+constexpr unsigned part_bits(int f) { return 1u << (f / 2); }
+
+// Shared memory of the three kernels.
+__host__ __device__ inline int64_t bwd_sweep_smem_bytes(bool pre, int dh_pad, int dv_pad) {
+  const int64_t ldq = dh_pad + 8, ldv = dv_pad + 8;
+  return int64_t(2) * (kTileRows + kTileKeys) * (ldv + (pre ? ldq : 0)) * 2 +
+         int64_t(4) * 2 * (kQuerySide * kRowPitch + kKeySide * kColPitch);
+}
+__host__ __device__ inline int64_t bwd_rows_smem_bytes(int dh_pad, int dv_pad) {
+  const int64_t ldq = dh_pad + 8, ldv = dv_pad + 8;
+  return int64_t(kTileRows) * (ldq + ldv) * 2 + int64_t(2) * kTileKeys * (ldq + ldv) * 2 +
+         int64_t(4) * 2 * kKeySide * kColPitch;
+}
+__host__ __device__ inline int64_t bwd_keys_smem_bytes(int dh_pad, int dv_pad) {
+  const int64_t ldq = dh_pad + 8, ldv = dv_pad + 8;
+  return int64_t(kTileRows) * (ldq + ldv) * 2 + int64_t(2) * kQueryTileCols * (ldq + ldv) * 2 +
+         int64_t(4) * (2 * kQuerySide * (kQueryTileCols + 1) + kKeySide * kRowPitch);
+}
+
+// Launches 2 and 4: CTA per (key split, query tile of the chunk, b * G).
+template <typename T, bool Pre>
+__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_sweep(const MmaAttnBwdParams bp) {
+  const MmaAttnParams& mp = bp.m;
+  const AttnParams& p = mp.f;
+  const int H = p.H, TT = p.T, hg = p.hg, G = H / hg;
+  const int bg = blockIdx.z, b = bg / G, h0 = (bg % G) * hg;
+  const int q0 = mp.chunk0 + blockIdx.y * kTileRows;
+  if (q0 >= TT) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8;
+
+  int lo, hi;
+  key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
+  const int s_lo = blockIdx.x * kSplitKeys;
+  lo = lo > s_lo ? lo : s_lo;
+  hi = hi < s_lo + kSplitKeys ? hi : s_lo + kSplitKeys;
+  const int kt_lo = lo / kTileKeys, kt_hi = hi > lo ? (hi + kTileKeys - 1) / kTileKeys : kt_lo;
+
+  unsigned char* base = hw::dynamic_shared_memory();
+  T* obuf = reinterpret_cast<T*>(base);       // [2][64][ldv] dO
+  T* vbuf = obuf + 2 * kTileRows * ldv;        // [2][32][ldv] V
+  T* qbuf = vbuf + 2 * kTileKeys * ldv;        // [2][64][ldq] Q (Pre)
+  T* kbuf = qbuf + (Pre ? 2 * kTileRows * ldq : 0);  // [2][32][ldq] K (Pre)
+  float* rowf = reinterpret_cast<float*>(kbuf + (Pre ? 2 * kTileKeys * ldq : 0));  // [2][13][65]
+  float* colf = rowf + 2 * kQuerySide * kRowPitch;                                  // [2][10][33]
+
+  // Pre = false reads W2 of the post slots; Pre = true P, dP and W2 of the pre slots.
+  constexpr unsigned kPostW2 = (1u << kW2Post) | (1u << (kW2Post + 1));
+  constexpr unsigned kPreFields = (1u << kW2Pre) | (1u << (kW2Pre + 1)) | (1u << kGPre) | (1u << kW1Post) |
+                                  (1u << (kW1Post + 1)) | (1u << kGPost);
+  constexpr unsigned kRowMask = Pre ? kPreFields | (1u << kStatM) | (1u << kStatInvZ) | (1u << kStatD) : kPostW2;
+  constexpr unsigned kColMask = Pre ? kPreFields : kPostW2;
+
+  const T* q = static_cast<const T*>(p.q);
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  const T* dout = static_cast<const T*>(bp.dout);
+  const int n_items = (kt_hi - kt_lo) * hg;
+  auto issue = [&](int item) {
+    if (item < n_items) {
+      const int kt = kt_lo + item / hg, n = item % hg, stage = item & 1, s0 = kt * kTileKeys;
+      const int64_t head = static_cast<int64_t>(b) * H + h0 + n;
+      load_rows(obuf + stage * kTileRows * ldv, dout + head * TT * p.dv, q0, kTileRows, TT, p.dv, mp.dv_pad, mp.vec16);
+      load_rows(vbuf + stage * kTileKeys * ldv, v + head * TT * p.dv, s0, kTileKeys, TT, p.dv, mp.dv_pad, mp.vec16);
+      if (Pre) {
+        load_rows(qbuf + stage * kTileRows * ldq, q + head * TT * p.dh, q0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
+        load_rows(kbuf + stage * kTileKeys * ldq, k + head * TT * p.dh, s0, kTileKeys, TT, p.dh, mp.dh_pad, mp.vec16);
+      }
+      const float* wt_head = mp.wt + head * mp.wfields * TT;
+      load_side_fields(rowf + stage * kQuerySide * kRowPitch, wt_head, q0, kTileRows, kRowPitch, TT, kRowMask,
+                       kQuerySide, false);
+      load_side_fields(colf + stage * kKeySide * kColPitch, wt_head, s0, kTileKeys, kColPitch, TT, kColMask, kKeySide,
+                       true);
+    }
+    hw::cp_async_commit();
+  };
+
+  float* part = mp.partials + static_cast<int64_t>(bg) * mp.pfields * mp.chunk * TT;
+  const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
+  float sq[kR][kKeyN8][4], sk[kR][kKeyN8][4];  // (dc, dd) or (da, db) of the warp's 16 x 32 fragment
+  issue(0);
+  for (int item = 0; item < n_items; ++item) {
+    const int kt = kt_lo + item / hg, n = item % hg, stage = item & 1, s0 = kt * kTileKeys;
+    __syncthreads();  // every warp is done with the stage of item - 1
+    issue(item + 1);
+    if (n == 0) {
+#pragma unroll
+      for (int r = 0; r < kR; ++r)
+#pragma unroll
+        for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sq[r][j][e] = sk[r][j][e] = 0.f;
+    }
+    hw::cp_async_wait<1>();
+    __syncthreads();
+    float dpp[kKeyN8][4], sc[kKeyN8][4];
+    qk_tile<T>(dpp, obuf + stage * kTileRows * ldv, vbuf + stage * kTileKeys * ldv, ldv, mp.dv_pad, warp, lane, 1.f);
+    if (Pre)
+      qk_tile<T>(sc, qbuf + stage * kTileRows * ldq, kbuf + stage * kTileKeys * ldq, ldq, mp.dh_pad, warp, lane,
+                 p.scale);
+    const float* rows = rowf + stage * kQuerySide * kRowPitch;
+    const float* cols = colf + stage * kKeySide * kColPitch;
+#pragma unroll
+    for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 + gq + 8 * h, t = q0 + r, c = j * 8 + 2 * tq, s = s0 + c;
+        const bool in = t < TT && s < TT;
+        float pt2[kBwdPartFields][2] = {};
+        if (Pre)
+          load_part_pair<part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD)>(
+              pt2, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in, s + 1 < TT && TT % 2 == 0,
+              s + 1 < TT);
+        const SmemSide qs{rows + r, kRowPitch};
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const int e = 2 * h + e2;
+          const SmemSide ks{cols + c + e2, kColPitch};
+          const bool kept = t < TT && kept_pair(t, s + e2, TT, p.causal, p.window);
+          float y;
+          if (Pre) {
+            float pt[kBwdPartFields] = {};
+#pragma unroll
+            for (int f = 0; f < kBwdPartFields; ++f) pt[f] = kept ? pt2[f][e2] : 0.f;
+            const float P = bwd_prob(sc[j][e], qs, ks, pt, kept);
+            y = P * (bwd_grad_prob(dpp[j][e], qs, ks, pt) - qs[kStatD]);  // dL'
+#pragma unroll
+            for (int rr = 0; rr < kR; ++rr) {
+              sq[rr][j][e] += qs[kW2Pre + rr] * y;
+              sk[rr][j][e] += ks[kW2Pre + rr] * y;
+            }
+          } else {
+            y = kept ? dpp[j][e] : 0.f;
+#pragma unroll
+            for (int rr = 0; rr < kR; ++rr) {
+              sq[rr][j][e] += qs[kW2Post + rr] * y;
+              sk[rr][j][e] += ks[kW2Post + rr] * y;
+            }
+          }
+        }
+      }
+    if (n == hg - 1) {
+      // The tile's 4 rank sums to the scratch fields dc dd (Pre = false) or da db.
+      const int f0 = Pre ? kPartDA : kPartDC;
+#pragma unroll
+      for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = warp * 16 + gq + 8 * h, t = q0 + r, s = s0 + j * 8 + 2 * tq;
+          if (t >= TT || s >= TT) continue;
+          const int64_t at = static_cast<int64_t>(t - mp.chunk0) * TT + s;
+          const bool pair = s + 1 < TT && TT % 2 == 0;
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const float vals[2] = {x < 2 ? sq[x][j][2 * h] : sk[x - 2][j][2 * h],
+                                   x < 2 ? sq[x][j][2 * h + 1] : sk[x - 2][j][2 * h + 1]};
+            float* dst = part + (f0 + x) * plane + at;
+            if (pair) {
+              hw::store_from_float<2>(dst, vals);
+            } else {
+              dst[0] = vals[0];
+              if (s + 1 < TT) dst[1] = vals[1];
+            }
+          }
+        }
+    }
+  }
+  hw::cp_async_wait<0>();
+}
+
+// Launches 3 (Dq = false: D, slot-2 grads) and 5 (Dq = true: dq, slot-0 grads): CTA per
+// (query tile of the chunk, head m, b). DTiles bounds dh_pad / 8.
+template <typename T, bool Dq, int DTiles>
+__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttnBwdParams bp) {
+  const MmaAttnParams& mp = bp.m;
+  const AttnParams& p = mp.f;
+  const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.y, b = blockIdx.z;
+  const int bg = b * (H / hg) + m / hg;
+  const int q0 = mp.chunk0 + blockIdx.x * kTileRows;
+  if (q0 >= TT) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8, dh_n8 = mp.dh_pad / 8;
+  const int64_t head = static_cast<int64_t>(b) * H + m;
+
+  unsigned char* base = hw::dynamic_shared_memory();
+  T* qs = reinterpret_cast<T*>(base);           // [64][ldq] Q, then the dq tile
+  T* os = qs + kTileRows * ldq;                  // [64][ldv] dO
+  T* kbuf = os + kTileRows * ldv;                // [2][32][ldq]
+  T* vbuf = kbuf + 2 * kTileKeys * ldq;          // [2][32][ldv]
+  float* colf = reinterpret_cast<float*>(vbuf + 2 * kTileKeys * ldv);  // [2][10][33]
+
+  const T* k = static_cast<const T*>(p.k) + head * TT * p.dh;
+  const T* v = static_cast<const T*>(p.v) + head * TT * p.dv;
+  const float* wt_head = mp.wt + head * mp.wfields * TT;
+  const float* part = mp.partials + static_cast<int64_t>(bg) * mp.pfields * mp.chunk * TT;
+  const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
+
+  // The query side of this thread's two rows (D only once launch 3 has written it).
+  float rq[2][kQuerySide];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int t = q0 + warp * 16 + gq + 8 * h;
+#pragma unroll
+    for (int f = 0; f < kQuerySide; ++f)
+      rq[h][f] = t < TT && (Dq || f != kStatD) ? wt_head[static_cast<int64_t>(side_wfield(f, false)) * TT + t] : 0.f;
+  }
+
+  int lo, hi;
+  key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
+  const int kt_lo = lo / kTileKeys, kt_hi = hi > lo ? (hi + kTileKeys - 1) / kTileKeys : kt_lo;
+  const int n_tiles = kt_hi - kt_lo;
+
+  load_rows(qs, static_cast<const T*>(p.q) + head * TT * p.dh, q0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
+  load_rows(os, static_cast<const T*>(bp.dout) + head * TT * p.dv, q0, kTileRows, TT, p.dv, mp.dv_pad, mp.vec16);
+  auto issue = [&](int i) {
+    if (i < n_tiles) {
+      const int s0 = (kt_lo + i) * kTileKeys, stage = i & 1;
+      load_rows(kbuf + stage * kTileKeys * ldq, k, s0, kTileKeys, TT, p.dh, mp.dh_pad, mp.vec16);
+      load_rows(vbuf + stage * kTileKeys * ldv, v, s0, kTileKeys, TT, p.dv, mp.dv_pad, mp.vec16);
+      load_side_fields(colf + stage * kKeySide * kColPitch, wt_head, s0, kTileKeys, kColPitch, TT, 0x3ffu, kKeySide,
+                       true);
+    }
+    hw::cp_async_commit();
+  };
+
+  float o[DTiles][4];
+#pragma unroll
+  for (int j = 0; j < DTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+  float acc[2][6];  // per row: the slot's 5 grads, then D (Dq = false)
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 6; ++i) acc[h][i] = 0.f;
+
+  constexpr unsigned kMask = Dq ? part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD) |
+                                      part_bits(kPartDA) | part_bits(kPartDB)
+                                : part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartC) | part_bits(kPartDC) |
+                                      part_bits(kPartDD);
+  issue(0);
+  for (int i = 0; i < n_tiles; ++i) {
+    const int stage = i & 1, s0 = (kt_lo + i) * kTileKeys;
+    __syncthreads();
+    issue(i + 1);
+    hw::cp_async_wait<1>();
+    __syncthreads();
+    float sc[kKeyN8][4], dpp[kKeyN8][4];
+    qk_tile<T>(sc, qs, kbuf + stage * kTileKeys * ldq, ldq, mp.dh_pad, warp, lane, p.scale);
+    qk_tile<T>(dpp, os, vbuf + stage * kTileKeys * ldv, ldv, mp.dv_pad, warp, lane, 1.f);
+    const float* cols = colf + stage * kKeySide * kColPitch;
+#pragma unroll
+    for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 + gq + 8 * h, t = q0 + r, c = j * 8 + 2 * tq, s = s0 + c;
+        const bool in = t < TT && s < TT;
+        float pt2[kBwdPartFields][2] = {};
+        load_part_pair<kMask>(pt2, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in,
+                              s + 1 < TT && TT % 2 == 0, s + 1 < TT);
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const int e = 2 * h + e2;
+          const SmemSide ks{cols + c + e2, kColPitch};
+          const bool kept = t < TT && kept_pair(t, s + e2, TT, p.causal, p.window);
+          float pt[kBwdPartFields] = {};
+#pragma unroll
+          for (int f = 0; f < kBwdPartFields; ++f) pt[f] = kept ? pt2[f][e2] : 0.f;
+          const float S = sc[j][e];
+          const float P = bwd_prob(S, rq[h], ks, pt, kept);
+          const float dP = bwd_grad_prob(dpp[j][e], rq[h], ks, pt);
+          if (Dq) {
+            const float dLp = P * (dP - rq[h][kStatD]);
+            add_slot_grads(acc[h], S, dLp, pt + kPartDA, pt + kPartA);
+            sc[j][e] = kept ? bwd_grad_logit(dLp, rq[h], ks, pt) * p.scale : 0.f;
+          } else {
+            acc[h][5] += P * dP;
+            add_slot_grads(acc[h], P, kept ? dpp[j][e] : 0.f, pt + kPartDC, pt + kPartC);
+          }
+        }
+      }
+    // dq += (scale dL) K: K by ldmatrix.trans.
+    if (Dq) fragment_times_rows<T>(o, sc, kbuf + stage * kTileKeys * ldq, ldq, dh_n8, lane);
+  }
+  hw::cp_async_wait<0>();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int i = 0; i < (Dq ? 5 : 6); ++i) acc[h][i] = quad_sum(acc[h][i]);
+    const int t = q0 + warp * 16 + gq + 8 * h;
+    if (tq == 0 && t < TT) {
+      put_slot_grads<false>(bp, head, t, Dq ? 0 : 2, acc[h]);
+      if (!Dq) bp.wt[(head * mp.wfields + kFieldD) * TT + t] = acc[h][5];
+    }
+  }
+  if (Dq) {
+    __syncthreads();  // every warp is done with qs: it takes the dq tile
+    store_row_tile<T>(o, qs, ldq, dh_n8, static_cast<T*>(bp.dq) + head * TT * p.dh, q0, TT, p.dh, mp.vec16, warp,
+                      lane);
+  }
+}
+
+// Launches 6 (Dk = false: dv, slot-3 grads) and 7 (Dk = true: dk, slot-1 grads): CTA per (64-key
+// tile, head m, b), looping the chunk's 32-row query tiles that read its keys. Rows of the
+// fragments are keys s, columns queries t. DTiles bounds dv_pad / 8 (dh_pad / 8 for dk).
+template <typename T, bool Dk, int DTiles>
+__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_keys(const MmaAttnBwdParams bp) {
+  const MmaAttnParams& mp = bp.m;
+  const AttnParams& p = mp.f;
+  const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.y, b = blockIdx.z;
+  const int bg = b * (H / hg) + m / hg;
+  const int s0 = blockIdx.x * kTileRows;
+  // Query rows reading keys [s0, s0 + 64): causal t >= s0, window t < s0 + 63 + W.
+  int lo = p.causal ? s0 : 0, hi = p.window > 0 ? s0 + kTileRows - 1 + p.window : TT;
+  lo = lo > mp.chunk0 ? lo : mp.chunk0;
+  const int c1 = mp.chunk0 + mp.chunk < TT ? mp.chunk0 + mp.chunk : TT;
+  hi = hi < c1 ? hi : c1;
+  if (s0 >= TT || lo >= hi) return;
+  const int t_lo = lo / kQueryTileCols * kQueryTileCols;
+  const int n_tiles = (hi - t_lo + kQueryTileCols - 1) / kQueryTileCols;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8;
+  const int n8 = (Dk ? mp.dh_pad : mp.dv_pad) / 8;
+  constexpr int kQPitch = kQueryTileCols + 1;
+  const int64_t head = static_cast<int64_t>(b) * H + m;
+
+  unsigned char* base = hw::dynamic_shared_memory();
+  T* ks = reinterpret_cast<T*>(base);            // [64][ldq] K
+  T* vs = ks + kTileRows * ldq;                   // [64][ldv] V
+  T* qbuf = vs + kTileRows * ldv;                 // [2][32][ldq] Q
+  T* obuf = qbuf + 2 * kQueryTileCols * ldq;      // [2][32][ldv] dO
+  float* colf = reinterpret_cast<float*>(obuf + 2 * kQueryTileCols * ldv);  // [2][13][33]
+  float* rowk = colf + 2 * kQuerySide * kQPitch;  // [10][65] the key side of the CTA's rows
+
+  const T* q = static_cast<const T*>(p.q) + head * TT * p.dh;
+  const T* dout = static_cast<const T*>(bp.dout) + head * TT * p.dv;
+  const float* wt_head = mp.wt + head * mp.wfields * TT;
+  const float* part = mp.partials + static_cast<int64_t>(bg) * mp.pfields * mp.chunk * TT;
+  const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
+
+  // The key side in smem (not registers: the dk kernel's dk accumulators and two score
+  // fragments leave no room); joins the first tile's commit group.
+  load_side_fields(rowk, wt_head, s0, kTileRows, kRowPitch, TT, 0x3ffu, kKeySide, true);
+  load_rows(ks, static_cast<const T*>(p.k) + head * TT * p.dh, s0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
+  load_rows(vs, static_cast<const T*>(p.v) + head * TT * p.dv, s0, kTileRows, TT, p.dv, mp.dv_pad, mp.vec16);
+  constexpr unsigned kQueryMask = Dk ? 0x1fffu : 0x1fffu & ~((1u << kW1Pre) | (1u << (kW1Pre + 1)) | (1u << kW1Post) |
+                                                              (1u << (kW1Post + 1)) | (1u << kStatD));
+  auto issue = [&](int i) {
+    if (i < n_tiles) {
+      const int t0 = t_lo + i * kQueryTileCols, stage = i & 1;
+      load_rows(qbuf + stage * kQueryTileCols * ldq, q, t0, kQueryTileCols, TT, p.dh, mp.dh_pad, mp.vec16);
+      load_rows(obuf + stage * kQueryTileCols * ldv, dout, t0, kQueryTileCols, TT, p.dv, mp.dv_pad, mp.vec16);
+      load_side_fields(colf + stage * kQuerySide * kQPitch, wt_head, t0, kQueryTileCols, kQPitch, TT, kQueryMask,
+                       kQuerySide, false);
+    }
+    hw::cp_async_commit();
+  };
+
+  float o[DTiles][4];
+#pragma unroll
+  for (int j = 0; j < DTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+  float acc[2][5];  // per row: the grads of slot 1 (Dk) or slot 3
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 5; ++i) acc[h][i] = 0.f;
+
+  constexpr unsigned kMask = Dk ? part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD) |
+                                      part_bits(kPartDA) | part_bits(kPartDB)
+                                : part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartC) | part_bits(kPartD) |
+                                      part_bits(kPartDD);
+  issue(0);
+  for (int i = 0; i < n_tiles; ++i) {
+    const int stage = i & 1, t0 = t_lo + i * kQueryTileCols;
+    __syncthreads();
+    issue(i + 1);
+    hw::cp_async_wait<1>();
+    __syncthreads();
+    const T* qt = qbuf + stage * kQueryTileCols * ldq;
+    const T* ot = obuf + stage * kQueryTileCols * ldv;
+    float sc[kKeyN8][4], dpp[kKeyN8][4];
+    qk_tile<T>(sc, ks, qt, ldq, mp.dh_pad, warp, lane, p.scale);  // S^T: rows s, columns t
+    qk_tile<T>(dpp, vs, ot, ldv, mp.dv_pad, warp, lane, 1.f);  // dP'^T = V dO^T
+    const float* cols = colf + stage * kQuerySide * kQPitch;
+#pragma unroll
+    for (int j = 0; j < kKeyN8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, r = warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq + (e & 1);
+        const int s = s0 + r, t = t0 + c;
+        const bool in = t < TT && s < TT && t >= mp.chunk0 && t < c1;
+        const bool kept = in && kept_pair(t, s, TT, p.causal, p.window);
+        float pt[kBwdPartFields] = {};
+        // Every in-range lane loads (whole 32-byte rows of s per request), then only kept
+        // pairs keep their values: the scratch (zeroed once) holds this chunk's values for
+        // each 64-row query tile's key band only, elsewhere older ones; masked pairs add 0.
+        load_part_one<kMask>(pt, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in);
+#pragma unroll
+        for (int f = 0; f < kBwdPartFields; ++f) pt[f] = kept ? pt[f] : 0.f;
+        const SmemSide qside{cols + c, kQPitch}, kside{rowk + r, kRowPitch};
+        const float S = sc[j][e];
+        const float P = bwd_prob(S, qside, kside, pt, kept);
+        const float dPp = kept ? dpp[j][e] : 0.f;
+        if (Dk) {
+          const float dLp = P * (bwd_grad_prob(dPp, qside, kside, pt) - qside[kStatD]);
+          add_slot_grads(acc[h], S, dLp, pt + kPartDB, pt + kPartB);
+          sc[j][e] = kept ? bwd_grad_logit(dLp, qside, kside, pt) * p.scale : 0.f;
+        } else {
+          add_slot_grads(acc[h], P, dPp, pt + kPartDD, pt + kPartD);
+          sc[j][e] = bwd_post_prob(P, qside, kside, pt, kept);
+        }
+      }
+    // dk += (scale dL)^T Q, or dv += P'^T dO: the query rows by ldmatrix.trans.
+    fragment_times_rows<T>(o, sc, Dk ? qt : ot, Dk ? ldq : ldv, n8, lane);
+  }
+  hw::cp_async_wait<0>();
+  // Add this chunk's share to the fp32 dk / dv rows and the key-slot grads.
+  const int d = Dk ? p.dh : p.dv;
+  float* dst = (Dk ? bp.dk : bp.dv) + head * TT * d;
+#pragma unroll
+  for (int j = 0; j < DTiles; ++j) {
+    if (j >= n8) break;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int s = s0 + warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq;
+      if (s >= TT) continue;
+      float* row = dst + static_cast<int64_t>(s) * d + c;
+      if (d % 2 == 0 && c < d) {  // 8-byte accesses (rows of even length start 8-byte aligned)
+        float pair[2];
+        hw::load_as_float<2>(row, pair);
+        pair[0] += o[j][2 * h];
+        pair[1] += o[j][2 * h + 1];
+        hw::store_from_float<2>(row, pair);
+      } else {
+        if (c < d) row[0] += o[j][2 * h];
+        if (c + 1 < d) row[1] += o[j][2 * h + 1];
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int i = 0; i < 5; ++i) acc[h][i] = quad_sum(acc[h][i]);
+    const int s = s0 + warp * 16 + gq + 8 * h;
+    if (tq == 0 && s < TT) put_slot_grads<true>(bp, head, s, Dk ? 1 : 3, acc[h]);
+  }
+}
+
+}  // namespace dcmha
+}  // namespace headwise
