@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from headwise.testing import backend
+from headwise.testing import backend, profiled_launches as launches
 from headwise.ops import load_profile_library
 
 BUILT = importlib.util.find_spec("headwise._sim_profile") is not None  # not with HEADWISE_SIM_PROFILE=0
@@ -18,18 +18,6 @@ PROFILE_OPS = load_profile_library() if BUILT else None
 pytestmark = pytest.mark.skipif(not BUILT, reason="headwise._sim_profile not built")
 
 SECTOR = 32
-
-
-def launches(run):
-    """The launch records of run(), collected with metrics enabled."""
-    lib = torch.ops.headwise_sim_profile
-    lib.sim_profile_take()
-    lib.sim_profile_enable(True)
-    try:
-        result = run()
-    finally:
-        lib.sim_profile_enable(False)
-    return result, json.loads(lib.sim_profile_take())
 
 
 def test_not_loaded_by_default():
