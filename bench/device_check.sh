@@ -87,8 +87,8 @@ cd ..
 stage "acceptance ratios of the GPU issues (merge, DCMHA forward)"
 run_capped 75 "targets" $PY -m headwise.bench.targets merge dcmha --json "$RES/targets.json"
 
-stage "DCMHA forward + backward at the target shape (one run; bf16: the tensor-core backward)"
-run_capped 60 "targets dcmha-backward" $PY -m headwise.bench.targets dcmha-backward --json "$RES/targets_dcmha_backward.json"
+stage "DCMHA forward + backward at the target shape (bf16: the tensor-core backward) against flash and DCFormer's compiled query chunks"
+run_capped 120 "targets dcmha-backward" $PY -m headwise.bench.targets dcmha-backward --json "$RES/targets_dcmha_backward.json"
 
 stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
 run_capped 90 "calibrate" $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \

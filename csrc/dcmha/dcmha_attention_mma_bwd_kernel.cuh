@@ -33,8 +33,13 @@
 //      and columns swapped (S^T = K Q^T and dP'^T = V dO^T on mma, the 32 query columns of
 //      the chunk's tiles looped): P' on the fragments, dv += P'^T dO on mma; slot-3 grads.
 //   7. dcmha_attn_bwd_keys<Dk = true>: S^T, dP'^T, dL^T: dk += dL^T Q, the slot-1 grads
-//      (the two slots split between 6 and 7 so that neither spills at 255 registers). dk, dv and the key-slot grads are fp32 buffers that each chunk adds
-//      to in launch order (bitwise repeatable, no atomics); the launcher converts dk, dv.
+//      (slots 1 and 3 split between 6 and 7: one kernel with both spilled at 255 registers).
+//      dk, dv and the key-slot grads are fp32 buffers that each chunk adds to in launch
+//      order (bitwise repeatable, no atomics); the launcher converts dk, dv.
+// Around the chunks: dcmha_attn_weights_t builds the weights table [B, H, 23, T] (the 20
+// weight fields, then M, 1/Z from the forward's statistics and D from launch 3), and
+// dcmha_attn_grads_untranspose turns the grads table [B, H, 20, T] (written with t or s
+// consecutive: coalesced) into dw1, dw2, dg.
 // Operands by cp.async (16 bytes, or element copies for unaligned views / odd dims) into
 // [rows][d_pad + 8] smem (ldmatrix conflict-free), double-buffered across key (query)
 // tiles; the per-row and per-column compose weights by 4-byte cp.async into [field][pitch]
@@ -43,8 +48,9 @@
 // Budget per kept (t, s) and head (d = dh = dv): tensor FLOPs 2 d per product; products
 // per launch 2, 2, 1 (dP'), 2, 3 (+ dq), 3 (S, dP', dv), 3 (S, dP', dk) + the partials' 2
 // (S twice) = 16 products = 32 d FLOPs against flash attention's backward 5 products (10 d): 3.2x.
-// Bytes: the scratch (64 B per (t, s) and group) is read per head by launches 3-7 (up to 48 B
-// each) from L2 / HBM: the term that dominates at dh <= 128 (estimated in bench/RESULTS.md).
+// Bytes: the scratch (64 B per (t, s) and group) is read per head by launches 3-7 (32-48 B
+// each) from L2: 0.69 TB at B = 8, H = 32, T = 4096 causal, the term that dominates at
+// dh <= 128 (68.6 ms of L2 time in the H200 ESTIMATE of bench/RESULTS.md, 0.21 s in all).
 // No tensor scales with T S: the scratch is B G 16 chunk T fp32 with chunk rows chosen
 // under kScratchBytes (256 MiB; 128 rows at B = 8, G = 1, T = 4096) but at least 64 (so
 // B G 4 KiB T where that is over the cap); dk, dv fp32 are O(B H T d), the tables O(B H T).

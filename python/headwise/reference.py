@@ -14,6 +14,8 @@ import torch
 __all__ = [
     "apply_rope",
     "dcmha_attention",
+    "dcmha_attention_query_chunks",
+    "dcmha_attention_rows",
     "dcmha_compose",
     "dcmha_mask",
     "dcmha_weights",
@@ -327,7 +329,7 @@ def dcmha_weights(x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor, dd: tor
 
 
 def _compose(a: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, cq: int, ck: int,
-             head_groups: int) -> torch.Tensor:
+             head_groups: int, rows=None) -> torch.Tensor:
     """Compose of ``a [B, H, T, S]`` (already in the accumulation dtype) for slots (cq, ck),
     each group of H / head_groups heads composing only within itself::
 
@@ -336,20 +338,23 @@ def _compose(a: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, g: torch.Tenso
                   + sum_r W2[s,ck,r,m] sum_n A[n,t,s] W1[s,ck,r,n]      (n, m in one group)
 
     The factorized form: two rank-R projections per (t, s), never a [B, T, S, H, H] tensor.
+    The query side comes from ``rows`` (w1, w2, g of a's T query rows; default the first T
+    rows of w1, w2, g), the key side from w1, w2, g.
     """
     b, h, t, s = a.shape
     ng, hg = head_groups, h // head_groups
     ag = a.reshape(b, ng, hg, t, s)
+    r1, r2, rg = rows if rows is not None else (w1, w2, g)
 
-    def side(c, n_len):  # (W1, W2) of slot c as [B, N, R, G, Hg] (N = T or S)
-        return w1[:, :n_len, c].reshape(b, n_len, -1, ng, hg), w2[:, :n_len, c].reshape(b, n_len, -1, ng, hg)
+    def side(x1, x2, c, n_len):  # (W1, W2) of slot c as [B, N, R, G, Hg] (N = T or S)
+        return x1[:, :n_len, c].reshape(b, n_len, -1, ng, hg), x2[:, :n_len, c].reshape(b, n_len, -1, ng, hg)
 
-    w1q, w2q = side(cq, t)
-    w1k, w2k = side(ck, s)
+    w1q, w2q = side(r1, r2, cq, t)
+    w1k, w2k = side(w1, w2, ck, s)
     pq = torch.einsum("bgnts,btrgn->bgrts", ag, w1q)
     pk = torch.einsum("bgnts,bsrgn->bgrts", ag, w1k)
     mix = torch.einsum("bgrts,btrgm->bgmts", pq, w2q) + torch.einsum("bgrts,bsrgm->bgmts", pk, w2k)
-    gate = 1 + g[:, :t, cq].transpose(1, 2).unsqueeze(-1) + g[:, :s, ck].transpose(1, 2).unsqueeze(-2)
+    gate = 1 + rg[:, :t, cq].transpose(1, 2).unsqueeze(-1) + g[:, :s, ck].transpose(1, 2).unsqueeze(-2)
     return a * gate + mix.reshape(b, h, t, s)
 
 
@@ -378,6 +383,25 @@ def dcmha_mask(t: int, s: int, *, causal: bool = True, window: Optional[int] = N
     return keep
 
 
+def dcmha_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights, row_weights,
+                         keep: torch.Tensor, scale: float, head_groups: int = 1) -> torch.Tensor:
+    """DCMHA attention of the query rows ``q [B, H, t, dh]`` against every key ``k [B, H, S,
+    dh]``, ``v [B, H, S, dv]``: ``weights`` are every position's (the key side),
+    ``row_weights`` those of the t query rows (the query side), ``keep [t, S]`` the mask
+    rows. Materializes ``[B, H, t, S]``; ``O [B, H, t, dv]`` in q's dtype."""
+    acc = _accumulation_dtype(q)
+    w1, w2, g = (w.to(acc) for w in weights)
+    rows = tuple(w.to(acc) for w in row_weights)
+    logits = (q.to(acc) * scale) @ k.to(acc).transpose(-1, -2)
+    logits = _compose(logits, w1, w2, g, 0, 1, head_groups, rows)
+    row_any = keep.any(dim=-1, keepdim=True)
+    # Fully masked rows: finite logits (no NaN in the softmax or its gradient), then 0.
+    logits = torch.where(keep, logits, torch.where(row_any, float("-inf"), 0.0))
+    probs = torch.softmax(logits, dim=-1) * row_any
+    probs = _compose(probs, w1, w2, g, 2, 3, head_groups, rows)
+    return (probs @ v.to(acc)).to(q.dtype)
+
+
 def dcmha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights, *, causal: bool = True,
                     window: Optional[int] = None, scale: Optional[float] = None,
                     head_groups: int = 1) -> torch.Tensor:
@@ -388,17 +412,23 @@ def dcmha_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights, 
     softmax over keys in fp32 (fully masked rows give 0), post-compose, ``O = P' v``.
     Returns ``O [B, H, T, dv]`` in q's dtype.
     """
-    acc = _accumulation_dtype(q)
     t, dh = q.shape[-2], q.shape[-1]
-    s = k.shape[-2]
     scale = dh ** -0.5 if scale is None else scale
-    w1, w2, g = (w.to(acc) for w in weights)
-    logits = (q.to(acc) * scale) @ k.to(acc).transpose(-1, -2)
-    logits = _compose(logits, w1, w2, g, 0, 1, head_groups)
-    keep = dcmha_mask(t, s, causal=causal, window=window, device=q.device)
-    row_any = keep.any(dim=-1, keepdim=True)
-    # Fully masked rows: finite logits (no NaN in the softmax or its gradient), then 0.
-    logits = torch.where(keep, logits, torch.where(row_any, float("-inf"), 0.0))
-    probs = torch.softmax(logits, dim=-1) * row_any
-    probs = _compose(probs, w1, w2, g, 2, 3, head_groups)
-    return (probs @ v.to(acc)).to(q.dtype)
+    keep = dcmha_mask(t, k.shape[-2], causal=causal, window=window, device=q.device)
+    return dcmha_attention_rows(q, k, v, weights, weights, keep, scale, head_groups)
+
+
+def dcmha_attention_query_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights, *, chunk: int = 128,
+                                 causal: bool = True, window: Optional[int] = None, scale: Optional[float] = None,
+                                 head_groups: int = 1, rows_fn=None) -> torch.Tensor:
+    """The same math in DCFormer's formulation: query chunks of ``chunk`` rows (its default
+    128), each materializing ``[B, H, chunk, S]``. ``rows_fn`` replaces
+    ``dcmha_attention_rows`` (e.g. its ``torch.compile``: with T a multiple of ``chunk``
+    every chunk has the same shapes). The issue-16 baseline of ``bench.targets``."""
+    t, dh = q.shape[-2], q.shape[-1]
+    scale = dh ** -0.5 if scale is None else scale
+    keep = dcmha_mask(t, k.shape[-2], causal=causal, window=window, device=q.device)
+    fn = rows_fn or dcmha_attention_rows
+    outs = [fn(q[:, :, c0:c0 + chunk], k, v, weights, tuple(w[:, c0:c0 + chunk] for w in weights),
+               keep[c0:c0 + chunk], scale, head_groups) for c0 in range(0, t, chunk)]
+    return torch.cat(outs, dim=2)

@@ -257,3 +257,23 @@ def test_autocast_casts_inputs_and_weights(host_backend, op):
         got = run(q, k, v, w)
     want = run(q.bfloat16(), k.bfloat16(), v.bfloat16(), DCMHAWeights(*(t.bfloat16() for t in w)))
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("t,chunk,kw", [(37, 16, {}), (64, 32, dict(window=9, head_groups=2)),
+                                        (23, 5, dict(causal=False))])
+def test_query_chunks_formulation_is_the_same_math(t, chunk, kw):
+    # DCFormer's query-chunked formulation (the baseline of bench.targets) against the
+    # whole-sequence oracle, in float64, values and gradients.
+    gen = torch.Generator().manual_seed(t)
+    leaves = [torch.randn(1, 4, t, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    leaves += list(make_weights(1, t, 4, dtype=torch.float64, seed=t))
+    grad = torch.randn(1, 4, t, 8, generator=gen, dtype=torch.float64)
+
+    def run(fn, **extra):
+        xs = [x.clone().requires_grad_() for x in leaves]
+        out = fn(*xs[:3], DCMHAWeights(*xs[3:]), **kw, **extra)
+        out.backward(grad)
+        return [out.detach()] + [x.grad for x in xs]
+
+    for x, y in zip(run(reference.dcmha_attention_query_chunks, chunk=chunk), run(reference.dcmha_attention)):
+        assert rel_err(x, y) <= 1e-12

@@ -16,7 +16,8 @@ dcmha  (B=8, H=32, T=4096, dh=128 causal bf16, head_groups=1; issue "DCMHA on te
   the same shape (goal: forward + backward within 4x; the forward ratio is printed too).
 dcmha-backward: headwise's forward + backward at that shape (bf16: the tensor-core
   backward; est. ~0.3 s), the median of 3 runs after one warm-up, against flash's forward +
-  backward (goal 4x).
+  backward (goal 4x) and against DCFormer's formulation (reference.dcmha_attention_query_chunks:
+  query chunks of 128, torch.compile of each chunk's rows; goal: faster, 1x).
 
 Times are medians of interleaved rounds (bench.timing); --quick runs tiny shapes on any
 device to check the harness and measures nothing.
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import headwise
-from headwise import DCMHAWeights
+from headwise import DCMHAWeights, reference
 
 from .dcmha import _weights
 from .timing import interleaved_median_ms, synchronize
@@ -152,6 +153,18 @@ def dcmha_backward_targets(rep: Report, device, dtype, repeats: int, shape: dict
     synchronize(device)
     t_dcmha = _timed({"dcmha": dcmha}, device, 3, warmup=1)["dcmha"]
     rep.ratio("dcmha forward + backward", t_dcmha, "SDPA flash forward + backward", t_flash, 4.0)
+    # DCFormer's formulation: the reference math per query chunk of 128 rows, each chunk's
+    # rows compiled (one graph: every chunk has the same shapes when 128 divides T).
+    chunk = min(128, shape["t"])
+    rows = torch.compile(reference.dcmha_attention_rows, dynamic=False)
+    dcformer = _train_step(leaves, lambda: reference.dcmha_attention_query_chunks(
+        *leaves[:3], DCMHAWeights(*leaves[3:]), chunk=chunk, rows_fn=rows), grad)
+    try:
+        t_dcf = _timed({"dcformer": dcformer}, device, 3, warmup=1)["dcformer"]
+    except torch.OutOfMemoryError:  # the saved [B, H, 128, S] tensors of every chunk
+        print(f"DCFormer formulation (query chunks of {chunk}, compiled): out of memory", flush=True)
+        return
+    rep.ratio("dcmha forward + backward", t_dcmha, f"DCFormer (query chunks of {chunk}, compiled)", t_dcf, 1.0)
 
 
 TARGETS = {"merge": (merge_targets, MERGE_SHAPE, MERGE_QUICK),
