@@ -328,3 +328,13 @@ def test_sim_window_of_at_least_t_is_no_window(dtype, causal):
         got = _forward_backward(SIM.dcmha_attention, q, k, v, w, grad, dict(causal=causal, window=window))
         for name, x, y in zip(NAMES, got, none):
             assert torch.equal(x, y), (window, name)
+
+
+def test_sim_tensor_core_backward_opcheck():
+    # The backward op on the tensor-core path (bf16): schema, fake tensor and the
+    # dispatcher's checks, like the forward's opcheck above.
+    (q, k, v), w = _mma_inputs(1, 4, 37, 16, 8, torch.bfloat16)
+    _, stats = torch.ops.headwise_sim.dcmha_attention(q, k, v, *w, True, 0, 0.25, 2)
+    grad = torch.randn(1, 4, 37, 8).bfloat16()
+    torch.library.opcheck(torch.ops.headwise_sim.dcmha_attention_backward,
+                          (grad, q, k, v, *w, stats, True, 0, 0.25, 2))
