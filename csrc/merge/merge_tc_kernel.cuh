@@ -217,6 +217,70 @@ __device__ __forceinline__ int64_t rank_open_heads(const GateOf& gate_of, int64_
   return open;
 }
 
+// The epilogue of every tensor-core GEMM here: out[r * ld + c] = T(value(i, j, e)) for the
+// CTA's kBM x kBN tile (rows r < rows, columns c < cols), written through shared memory so
+// that each row of the tile leaves in 16-byte stores (a warp writes 512 contiguous bytes of
+// a 128-element row) instead of the accumulator fragments' 2-element pieces. value(i, j, e)
+// is the fp32 result of accumulator e of mma tile (i, j) of this warp (warp tile origin
+// wm, wn): row g + 8 (e >> 1), column 2t + (e & 1) of the mma tile (g = lane / 4, t = lane % 4).
+// The two warp rows (kWarpsM = 2, 64 rows each) take turns: warp row `part` puts its
+// values (rounded to T) into a [64][kBN + 8] staging tile at smem, the idle operand ring
+// (17 KiB for 16-bit T, 34 KiB for fp32, inside kSmemBytes; the 8-element pad keeps the
+// fragment writes conflict-free), then all threads copy those rows out: 16-byte stores
+// when out and the row stride ld are 16-byte aligned (the chunk past cols, if any, by
+// elements), else element stores with consecutive threads on consecutive columns. The
+// caller must be done with the ring (no cp.async in flight); starts with __syncthreads.
+template <typename T, typename Value>
+__device__ __forceinline__ void store_tile_staged(unsigned char* smem, const Value& value, T* out, int64_t ld,
+                                                  int64_t rows, int64_t cols, int wm, int wn, int lane) {
+  constexpr int E = kChunkElems<T>;
+  constexpr int kLdo = kBN + 8;            // staging row, elements
+  constexpr int kOutChunks = kBN / E;      // 16-byte chunks per tile row
+  static_assert(static_cast<size_t>(kWarpM) * kLdo * sizeof(T) <= kSmemBytes, "a warp row's tile fits the ring");
+  const int g = lane >> 2, t = lane & 3;
+  const bool vec_out = (ld * static_cast<int64_t>(sizeof(T))) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  T* stage_tile = reinterpret_cast<T*>(smem);
+#pragma unroll 1
+  for (int part = 0; part < kWarpsM; ++part) {
+    __syncthreads();  // the ring (or the previous part's tile) is no longer read
+    if (wm == part * kWarpM) {
+#pragma unroll
+      for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int j = 0; j < kMmaN; ++j) {
+            struct alignas(2 * sizeof(T)) Pair {
+              T x, y;
+            };
+            *reinterpret_cast<Pair*>(stage_tile + (i * 16 + g + 8 * half) * kLdo + wn + j * 8 + 2 * t) =
+                Pair{static_cast<T>(value(i, j, 2 * half)), static_cast<T>(value(i, j, 2 * half + 1))};
+          }
+    }
+    __syncthreads();
+    const int64_t part_rows = rows - part * kWarpM;
+    T* part_out = out + static_cast<int64_t>(part) * kWarpM * ld;
+    if (vec_out) {
+      for (int id = threadIdx.x; id < kWarpM * kOutChunks; id += kThreads) {
+        const int r = id / kOutChunks, c0 = (id % kOutChunks) * E;
+        if (r >= part_rows || c0 >= cols) continue;
+        const T* src = stage_tile + r * kLdo + c0;
+        T* dst = part_out + r * ld + c0;
+        if (c0 + E <= cols) {
+          hw::store_pack<T, E>(dst, hw::load_pack<T, E>(src));
+        } else {
+          for (int e = 0; c0 + e < cols; ++e) dst[e] = src[e];
+        }
+      }
+    } else {
+      for (int id = threadIdx.x; id < kWarpM * kBN; id += kThreads) {
+        const int r = id / kBN, c = id % kBN;
+        if (r < part_rows && c < cols) part_out[r * ld + c] = stage_tile[r * kLdo + c];
+      }
+    }
+  }
+}
+
 // Dynamic shared memory of the forward: the operand ring, then the head order (H ints).
 inline size_t fwd_smem_bytes(int64_t heads) {
   return kSmemBytes + static_cast<size_t>((heads * static_cast<int64_t>(sizeof(int)) + 15) / 16 * 16);
@@ -402,22 +466,8 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
     return;
   }
 
-  // Epilogue: y = alpha_cur * acc + bias, written through shared memory so that each row
-  // of the tile leaves in 16-byte stores (a warp writes 512 contiguous bytes). The two
-  // warp rows (kWarpsM = 2, 64 rows each) take turns: warp row `part` puts its
-  // accumulators (+ bias, rounded to T) into a [64][kBN + 8] staging tile in the idle
-  // operand ring (17 KiB bf16, 34 KiB fp32; the 8-element pad keeps the fragment writes
-  // conflict-free), then all threads copy those rows out: 16-byte stores where D's rows
-  // are 16-byte aligned and the chunk is inside D, else element stores. Accumulator e of
-  // mma tile (i, j) is row g + 8 (e >> 1), column 2t + (e & 1) of the tile.
-  constexpr int kLdo = kBN + 8;            // staging row, elements
-  constexpr int kOutChunks = kBN / E;      // 16-byte chunks per tile row
-  static_assert(static_cast<size_t>(kWarpM) * kLdo * sizeof(T) <= kSmemBytes, "a warp row's tile fits the ring");
+  // Epilogue: y = alpha_cur * acc + bias, staged through the idle ring (store_tile_staged).
   const T* bias = static_cast<const T*>(p.bias);
-  T* out = static_cast<T*>(p.out) + (b * p.seq + q0) * p.d + n0;
-  const bool vec_out = (p.d * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
-  T* stage_tile = reinterpret_cast<T*>(smem);
   float bias_v[kMmaN][2];
 #pragma unroll
   for (int j = 0; j < kMmaN; ++j) {
@@ -425,38 +475,9 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
     bias_v[j][0] = bias != nullptr && col < rows_b ? static_cast<float>(bias[n0 + col]) : 0.f;
     bias_v[j][1] = bias != nullptr && col + 1 < rows_b ? static_cast<float>(bias[n0 + col + 1]) : 0.f;
   }
-#pragma unroll 1
-  for (int part = 0; part < kWarpsM; ++part) {
-    __syncthreads();  // the ring (or the previous part's tile) is no longer read
-    if (wm == part * kWarpM) {
-#pragma unroll
-      for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int j = 0; j < kMmaN; ++j) {
-            struct alignas(2 * sizeof(T)) Pair {
-              T x, y;
-            };
-            *reinterpret_cast<Pair*>(stage_tile + (i * 16 + g + 8 * half) * kLdo + wn + j * 8 + 2 * t) =
-                Pair{static_cast<T>(fmaf(alpha_cur, acc[i][j][2 * half], bias_v[j][0])),
-                     static_cast<T>(fmaf(alpha_cur, acc[i][j][2 * half + 1], bias_v[j][1]))};
-          }
-    }
-    __syncthreads();
-    for (int id = threadIdx.x; id < kWarpM * kOutChunks; id += kThreads) {
-      const int r = id / kOutChunks, c0 = (id % kOutChunks) * E;
-      const int row = part * kWarpM + r;
-      if (row >= rows_a || c0 >= rows_b) continue;
-      const T* src = stage_tile + r * kLdo + c0;
-      T* dst = out + row * p.d + c0;
-      if (vec_out && c0 + E <= rows_b) {
-        hw::store_pack<T, E>(dst, hw::load_pack<T, E>(src));
-      } else {
-        for (int e = 0; e < E && c0 + e < rows_b; ++e) dst[e] = src[e];
-      }
-    }
-  }
+  store_tile_staged<T>(
+      smem, [&](int i, int j, int e) { return fmaf(alpha_cur, acc[i][j][e], bias_v[j][e & 1]); },
+      static_cast<T*>(p.out) + (b * p.seq + q0) * p.d + n0, p.d, rows_a, rows_b, wm, wn, lane);
 }
 
 // ---------------------------------------------------------------------------------------
