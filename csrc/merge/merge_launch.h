@@ -267,7 +267,6 @@ void launch_bwd_tc(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
   p.q_tiles = (s.seq + tc::kBM - 1) / tc::kBM;
   p.dv_tiles = (s.dv + tc::kBN - 1) / tc::kBN;
   p.d_tiles = (s.d + tc::kBM - 1) / tc::kBM;
-  p.gz_pairs = (z_stride_bits(grad_z, s) & (2 * sizeof(T) - 1)) == 0;
   const uint64_t es = sizeof(T);
   const uint64_t dy_bits = reinterpret_cast<uintptr_t>(dy.data_ptr()) | static_cast<uint64_t>(s.d) * es;
   const int dz_bytes = copy_bytes_for({dy_bits, reinterpret_cast<uintptr_t>(w.data_ptr()),

@@ -31,6 +31,13 @@
 //   [0, 1]: no gate range (say 1 and 1e-39) overflows the accumulators. Binary gates and
 //   no gate are one alpha: a single multiply in the epilogue. The bias is added in the
 //   epilogue.
+//   Epilogue staging (store_tile_staged, shared by the forward and both backward GEMMs):
+//   the accumulator fragments (2 adjacent elements per lane, 8 rows per request) go to a
+//   [64][kBN + 8] tile in the idle operand ring, one warp row at a time, and leave as
+//   16-byte row chunks (a warp stores 512 contiguous bytes) when the output rows are
+//   16-byte aligned, else as element stores on consecutive columns. It costs no extra
+//   shared memory (17 KiB of the 48 KiB ring for 16-bit T, 34 KiB for fp32) and two
+//   __syncthreads per warp row.
 //
 // Budget at the target shape B*Q = 16384, H = 32, Dv = 128, D = 4096, bf16 (ESTIMATES,
 // the H200 model of python/headwise/bench/sim_profile.py; nothing measured on a GPU)
@@ -215,6 +222,70 @@ __device__ __forceinline__ int64_t rank_open_heads(const GateOf& gate_of, int64_
     order[rank] = static_cast<int>(i);
   }
   return open;
+}
+
+// The epilogue of every tensor-core GEMM here: out[r * ld + c] = T(value(i, j, e)) for the
+// CTA's kBM x kBN tile (rows r < rows, columns c < cols), written through shared memory so
+// that each row of the tile leaves in 16-byte stores (a warp writes 512 contiguous bytes of
+// a 128-element row) instead of the accumulator fragments' 2-element pieces. value(i, j, e)
+// is the fp32 result of accumulator e of mma tile (i, j) of this warp (warp tile origin
+// wm, wn): row g + 8 (e >> 1), column 2t + (e & 1) of the mma tile (g = lane / 4, t = lane % 4).
+// The two warp rows (kWarpsM = 2, 64 rows each) take turns: warp row `part` puts its
+// values (rounded to T) into a [64][kBN + 8] staging tile at smem, the idle operand ring
+// (17 KiB for 16-bit T, 34 KiB for fp32, inside kSmemBytes; the 8-element pad keeps the
+// fragment writes conflict-free), then all threads copy those rows out: 16-byte stores
+// when out and the row stride ld are 16-byte aligned (the chunk past cols, if any, by
+// elements), else element stores with consecutive threads on consecutive columns. The
+// caller must be done with the ring (no cp.async in flight); starts with __syncthreads.
+template <typename T, typename Value>
+__device__ __forceinline__ void store_tile_staged(unsigned char* smem, const Value& value, T* out, int64_t ld,
+                                                  int64_t rows, int64_t cols, int wm, int wn, int lane) {
+  constexpr int E = kChunkElems<T>;
+  constexpr int kLdo = kBN + 8;            // staging row, elements
+  constexpr int kOutChunks = kBN / E;      // 16-byte chunks per tile row
+  static_assert(static_cast<size_t>(kWarpM) * kLdo * sizeof(T) <= kSmemBytes, "a warp row's tile fits the ring");
+  const int g = lane >> 2, t = lane & 3;
+  const bool vec_out = (ld * static_cast<int64_t>(sizeof(T))) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  T* stage_tile = reinterpret_cast<T*>(smem);
+#pragma unroll 1
+  for (int part = 0; part < kWarpsM; ++part) {
+    __syncthreads();  // the ring (or the previous part's tile) is no longer read
+    if (wm == part * kWarpM) {
+#pragma unroll
+      for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int j = 0; j < kMmaN; ++j) {
+            struct alignas(2 * sizeof(T)) Pair {
+              T x, y;
+            };
+            *reinterpret_cast<Pair*>(stage_tile + (i * 16 + g + 8 * half) * kLdo + wn + j * 8 + 2 * t) =
+                Pair{static_cast<T>(value(i, j, 2 * half)), static_cast<T>(value(i, j, 2 * half + 1))};
+          }
+    }
+    __syncthreads();
+    const int64_t part_rows = rows - part * kWarpM;
+    T* part_out = out + static_cast<int64_t>(part) * kWarpM * ld;
+    if (vec_out) {
+      for (int id = threadIdx.x; id < kWarpM * kOutChunks; id += kThreads) {
+        const int r = id / kOutChunks, c0 = (id % kOutChunks) * E;
+        if (r >= part_rows || c0 >= cols) continue;
+        const T* src = stage_tile + r * kLdo + c0;
+        T* dst = part_out + r * ld + c0;
+        if (c0 + E <= cols) {
+          hw::store_pack<T, E>(dst, hw::load_pack<T, E>(src));
+        } else {
+          for (int e = 0; c0 + e < cols; ++e) dst[e] = src[e];
+        }
+      }
+    } else {
+      for (int id = threadIdx.x; id < kWarpM * kBN; id += kThreads) {
+        const int r = id / kBN, c = id % kBN;
+        if (r < part_rows && c < cols) part_out[r * ld + c] = stage_tile[r * kLdo + c];
+      }
+    }
+  }
 }
 
 // Dynamic shared memory of the forward: the operand ring, then the head order (H ints).
@@ -402,22 +473,8 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
     return;
   }
 
-  // Epilogue: y = alpha_cur * acc + bias, written through shared memory so that each row
-  // of the tile leaves in 16-byte stores (a warp writes 512 contiguous bytes). The two
-  // warp rows (kWarpsM = 2, 64 rows each) take turns: warp row `part` puts its
-  // accumulators (+ bias, rounded to T) into a [64][kBN + 8] staging tile in the idle
-  // operand ring (17 KiB bf16, 34 KiB fp32; the 8-element pad keeps the fragment writes
-  // conflict-free), then all threads copy those rows out: 16-byte stores where D's rows
-  // are 16-byte aligned and the chunk is inside D, else element stores. Accumulator e of
-  // mma tile (i, j) is row g + 8 (e >> 1), column 2t + (e & 1) of the tile.
-  constexpr int kLdo = kBN + 8;            // staging row, elements
-  constexpr int kOutChunks = kBN / E;      // 16-byte chunks per tile row
-  static_assert(static_cast<size_t>(kWarpM) * kLdo * sizeof(T) <= kSmemBytes, "a warp row's tile fits the ring");
+  // Epilogue: y = alpha_cur * acc + bias, staged through the idle ring (store_tile_staged).
   const T* bias = static_cast<const T*>(p.bias);
-  T* out = static_cast<T*>(p.out) + (b * p.seq + q0) * p.d + n0;
-  const bool vec_out = (p.d * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
-  T* stage_tile = reinterpret_cast<T*>(smem);
   float bias_v[kMmaN][2];
 #pragma unroll
   for (int j = 0; j < kMmaN; ++j) {
@@ -425,38 +482,9 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
     bias_v[j][0] = bias != nullptr && col < rows_b ? static_cast<float>(bias[n0 + col]) : 0.f;
     bias_v[j][1] = bias != nullptr && col + 1 < rows_b ? static_cast<float>(bias[n0 + col + 1]) : 0.f;
   }
-#pragma unroll 1
-  for (int part = 0; part < kWarpsM; ++part) {
-    __syncthreads();  // the ring (or the previous part's tile) is no longer read
-    if (wm == part * kWarpM) {
-#pragma unroll
-      for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int j = 0; j < kMmaN; ++j) {
-            struct alignas(2 * sizeof(T)) Pair {
-              T x, y;
-            };
-            *reinterpret_cast<Pair*>(stage_tile + (i * 16 + g + 8 * half) * kLdo + wn + j * 8 + 2 * t) =
-                Pair{static_cast<T>(fmaf(alpha_cur, acc[i][j][2 * half], bias_v[j][0])),
-                     static_cast<T>(fmaf(alpha_cur, acc[i][j][2 * half + 1], bias_v[j][1]))};
-          }
-    }
-    __syncthreads();
-    for (int id = threadIdx.x; id < kWarpM * kOutChunks; id += kThreads) {
-      const int r = id / kOutChunks, c0 = (id % kOutChunks) * E;
-      const int row = part * kWarpM + r;
-      if (row >= rows_a || c0 >= rows_b) continue;
-      const T* src = stage_tile + r * kLdo + c0;
-      T* dst = out + row * p.d + c0;
-      if (vec_out && c0 + E <= rows_b) {
-        hw::store_pack<T, E>(dst, hw::load_pack<T, E>(src));
-      } else {
-        for (int e = 0; e < E && c0 + e < rows_b; ++e) dst[e] = src[e];
-      }
-    }
-  }
+  store_tile_staged<T>(
+      smem, [&](int i, int j, int e) { return fmaf(alpha_cur, acc[i][j][e], bias_v[j][e & 1]); },
+      static_cast<T*>(p.out) + (b * p.seq + q0) * p.d + n0, p.d, rows_a, rows_b, wm, wn, lane);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -464,11 +492,13 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
 //   dZ[b,h] = alpha[b,h] P[b,h],  P[b,h] = dy_b @ W_h  [Q, Dv],  c[b,h] = <Z[b,h], P[b,h]>
 //   dW_h    = sum_b alpha[b,h] dy_b^T Z[b,h]  [D, Dv]
 // Both use the forward's CTA shape (128 x 128 tile, 8 warps of 64 x 32, 3-stage cp.async
-// ring, 16 KiB per stage). An operand whose k axis is its rows in memory (W_h for dZ:
-// [k = n of D][Dv]; dy^T and Z for dW: [k = q][*]) is staged as kTransK = 32 k-rows of
-// 128 elements (256-byte rows, 16-byte chunk c of row r at c ^ (r & 7): the 8 rows one
-// ldmatrix.trans phase reads land in 8 bank groups, conflict-free) and read by
-// ldmatrix.x4.trans, which hands out the k-pairs the mma fragments need.
+// ring, 16 KiB per stage) and its staged epilogue (store_tile_staged: dZ in z's layout
+// and dW leave in 16-byte row stores where their rows are 16-byte aligned). An operand
+// whose k axis is its rows in memory (W_h for dZ: [k = n of D][Dv]; dy^T and Z for dW:
+// [k = q][*]) is staged as kTransK = 32 k-rows of 128 elements (256-byte rows, 16-byte
+// chunk c of row r at c ^ (r & 7): the 8 rows one ldmatrix.trans phase reads land in 8
+// bank groups, conflict-free) and read by ldmatrix.x4.trans, which hands out the k-pairs
+// the mma fragments need.
 // Budget at the target shape (ESTIMATES, as for the forward): each GEMM is 2 B Q H Dv D =
 // 550 GFLOP; per CTA and 32-deep slice 1.05 MFLOP for 16 KiB of L2 reads (64 FLOP/byte).
 // grad_z: B*H*ceil(Q/128)*ceil(Dv/128) = 4096 CTAs over K = D; grad_weight_o:
@@ -546,7 +576,6 @@ struct TcBwdParams {
   float* c_part;   // [B, H, q_tiles * dv_tiles] or nullptr (no gate gradient)
   int64_t batch, heads, seq, dv, d;
   int64_t q_tiles, dv_tiles, d_tiles;
-  bool gz_pairs;   // grad_z rows allow 2-element stores
 };
 
 // grad_z and c: grid (B * H * q_tiles * dv_tiles), kThreads threads, kSmemBytes:
@@ -611,39 +640,30 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dz_tc_kernel(TcBwdPar
   }
   hw::cp_async_wait<0>();
 
-  // Epilogue: dZ = alpha P in z's layout; c partial = sum of Z * P over the tile.
+  // Epilogue: c partial = sum of Z * P over the tile (from the fragments), then dZ = alpha P
+  // in z's layout, staged through the idle ring (store_tile_staged).
   const float alpha = p.gate.scale(b) * g;
   const int gq = lane >> 2, t = lane & 3;
   const T* z = static_cast<const T*>(p.z) + b * p.z_sb + h * p.z_sh + q0 * p.z_sq + n0;
-  T* gz = static_cast<T*>(p.grad_z) + b * p.gz_sb + h * p.gz_sh + q0 * p.gz_sq + n0;
   float c = 0.f;
+  if (need_c) {
 #pragma unroll
-  for (int j = 0; j < kMmaN; ++j) {
-    const int col = wn + j * 8 + 2 * t;
+    for (int j = 0; j < kMmaN; ++j) {
+      const int col = wn + j * 8 + 2 * t;
 #pragma unroll
-    for (int i = 0; i < kMmaM; ++i)
+      for (int i = 0; i < kMmaM; ++i)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = wm + i * 16 + gq + 8 * half;
-        if (row >= rows) continue;
-        const float p0 = acc[i][j][2 * half], p1 = acc[i][j][2 * half + 1];
-        if (need_c) {
-          if (col < cols) c = fmaf(static_cast<float>(z[row * p.z_sq + col]), p0, c);
-          if (col + 1 < cols) c = fmaf(static_cast<float>(z[row * p.z_sq + col + 1]), p1, c);
+        for (int half = 0; half < 2; ++half) {
+          const int row = wm + i * 16 + gq + 8 * half;
+          if (row >= rows) continue;
+          if (col < cols) c = fmaf(static_cast<float>(z[row * p.z_sq + col]), acc[i][j][2 * half], c);
+          if (col + 1 < cols) c = fmaf(static_cast<float>(z[row * p.z_sq + col + 1]), acc[i][j][2 * half + 1], c);
         }
-        const T v0 = static_cast<T>(alpha * p0), v1 = static_cast<T>(alpha * p1);
-        T* o = gz + row * p.gz_sq + col;
-        if (p.gz_pairs && col + 1 < cols) {
-          struct alignas(2 * sizeof(T)) Pair {
-            T x, y;
-          };
-          *reinterpret_cast<Pair*>(o) = Pair{v0, v1};
-        } else {
-          if (col < cols) o[0] = v0;
-          if (col + 1 < cols) o[1] = v1;
-        }
-      }
+    }
   }
+  store_tile_staged<T>(
+      smem, [&](int i, int j, int e) { return alpha * acc[i][j][e]; },
+      static_cast<T*>(p.grad_z) + b * p.gz_sb + h * p.gz_sh + q0 * p.gz_sq + n0, p.gz_sq, rows, cols, wm, wn, lane);
   if (need_c) {
     hw::BlockSum block_sum(red);
     c = block_sum(c);
@@ -726,33 +746,11 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_tc_kernel(TcBwdPar
   }
   hw::cp_async_wait<0>();
 
-  const int gq = lane >> 2, t = lane & 3;
-  const int64_t k_all = p.heads * p.dv;
-  T* gw = static_cast<T*>(p.grad_w) + m0 * k_all + h * p.dv + n0;
-  const bool pairs = p.dv % 2 == 0;  // rows of H*Dv elements, head offsets h*Dv
-#pragma unroll
-  for (int j = 0; j < kMmaN; ++j) {
-    const int col = wn + j * 8 + 2 * t;
-#pragma unroll
-    for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = wm + i * 16 + gq + 8 * half;
-        if (row >= rows_m) continue;
-        const T v0 = static_cast<T>(alpha_cur * acc[i][j][2 * half]);
-        const T v1 = static_cast<T>(alpha_cur * acc[i][j][2 * half + 1]);
-        T* o = gw + row * k_all + col;
-        if (pairs && col + 1 < cols) {
-          struct alignas(2 * sizeof(T)) Pair {
-            T x, y;
-          };
-          *reinterpret_cast<Pair*>(o) = Pair{v0, v1};
-        } else {
-          if (col < cols) o[0] = v0;
-          if (col + 1 < cols) o[1] = v1;
-        }
-      }
-  }
+  // Epilogue: dW_h = alpha_cur * acc, staged through the idle ring (store_tile_staged).
+  const int64_t k_all = p.heads * p.dv;  // rows of H*Dv elements, head offsets h*Dv
+  store_tile_staged<T>(
+      smem, [&](int i, int j, int e) { return alpha_cur * acc[i][j][e]; },
+      static_cast<T*>(p.grad_w) + m0 * k_all + h * p.dv + n0, k_all, rows_m, cols, wm, wn, lane);
 }
 
 }  // namespace tc

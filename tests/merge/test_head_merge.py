@@ -739,6 +739,44 @@ def test_tensor_core_forward_metrics():
         assert rec["unique_load_bytes"] <= (open_heads * q * dv + d * h * dv + d) * 2
 
 
+
+def test_tensor_core_backward_store_metrics():
+    """grad_z (in z's layout, with and without the gate's gradient) and grad_weight_o leave
+    the tensor-core backward kernels through the staged epilogue: global stores at the
+    ideal sectors per request, in 16-byte row chunks, on aligned head-major and
+    token-major z."""
+    import importlib.util
+
+    if importlib.util.find_spec("headwise._sim_profile") is None:
+        pytest.skip("headwise._sim_profile not built")
+    from headwise.ops import load_profile_library
+
+    ops = load_profile_library()
+    b, h, q, dv, d = 1, 2, 128, 64, 128
+    w, bias = make_params(h, dv, d, dtype=torch.bfloat16)
+    grad = torch.randn(b, q, d, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    for layout in ("bhqd", "bqhd_view"):
+        for gate in (None, torch.tensor([[1.0, 0.5]])):
+            z = make_tc_z(b, h, q, dv, layout, torch.bfloat16).requires_grad_()
+            leaves = [w.detach().requires_grad_(), None if gate is None else gate.clone().requires_grad_()]
+
+            def run():
+                ops.head_merge(z, leaves[0], bias, head_gate=leaves[1], rescale=gate is not None).backward(grad)
+
+            _, recs = profiled_launches(run)
+            for kernel in ("head_merge_bwd_dz_tc", "head_merge_bwd_dw_tc"):
+                (rec,) = [r for r in recs if r["kernel"] == kernel]
+                assert rec["global_store_sectors"] <= 1.1 * rec["global_store_sectors_ideal"], (layout, kernel)
+                # every element once (+ one c partial float per grad_z CTA with the gate's
+                # gradient), in 16-byte lane stores: a warp request covers two 128-byte rows
+                # of the 64-column tile (the fragments' pair stores covered 64 bytes)
+                dz = kernel == "head_merge_bwd_dz_tc"
+                tile_bytes = h * (q if dz else d) * dv * 2
+                c_stores = rec["ctas"] if dz and gate is not None else 0
+                assert rec["global_store_bytes"] == tile_bytes + 4 * c_stores, (layout, kernel)
+                assert (rec["global_store_requests"] - c_stores) * 256 <= tile_bytes, (layout, kernel)
+
+
 def grads64(z, w, bias, gate, rescale, grad):
     """Output gradients of the fp64 reference on the same (rounded) inputs."""
     leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (z, w, bias, gate)]
