@@ -1,7 +1,7 @@
 """The fused DCMHA attention of the CUDA build on a GPU (skipped without one): the same
 cases as the emulator's tests (test_dcmha_attention_sim.py), forward and backward against
-the fp64 reference, fp32 (SIMT kernels) and bf16 / fp16 (the tensor-core forward), and a
-bitwise repeatable backward."""
+the fp64 reference, fp32 (SIMT kernels) and bf16 / fp16 (the tensor-core forward and
+backward), and a bitwise repeatable backward."""
 
 import pytest
 import torch
