@@ -31,10 +31,11 @@
 //     of a (and dy) by 16-byte cp.async (element-wise fallback when S * elem is not a
 //     multiple of 16 bytes or a tensor is misaligned), and the row's query weights by
 //     4-byte cp.async into the interleaved layout qw[n] = {W1[0,n], W1[1,n], W2[0,n],
-//     W2[1,n]} plus qg[n], read as broadcasts. The forward keeps two stages of 2 rows in
+//     W2[1,n]} plus qk[n] = {W1[0,n], W1[1,n], G[n], 0} (backward; the forward fills only
+//     G[n]), read as 16-byte broadcasts. The forward keeps two stages of 2 rows in
 //     flight behind the one it computes (one __syncthreads per stage). The backward
 //     (bf16/fp16 where its shared memory fits) takes 2 rows per step in two stages, the
-//     next step loading while this one computes (one CTA per SM: ~155 KiB at H = 32); else
+//     next step loading while this one computes (one CTA per SM: ~156 KiB at H = 32); else
 //     (fp32, smaller parts) 1 row per step in one stage, two CTAs per SM on sm_90 (~100
 //     KiB at H = 32 bf16) overlapping each other's loads. Four __syncthreads per step.
 //   - Per (t, s) the thread mixes the heads from shared memory (a[n] of its column:
@@ -53,8 +54,8 @@
 //     (bitwise the same results as 1 row per step).
 //   - Shared-memory wavefronts of the backward per 32 (t, s, head) elements (bf16, G = 1),
 //     1 row / 2 rows per step: tiles in (cp.async) 1 / 1, pass 1 (a, dy, qw quad, W1k and
-//     W2k pairs) 7 / 5, pass B 3 / 3, pass 2 (a, dy, qw quad, qg, W1k pair, Gk, da) 8 /
-//     6.5, da out 0.5 / 0.5: ~20 / ~16.
+//     W2k pairs) 7 / 5, pass B 3 / 3, pass 2 (a, dy, qk quad, W1k pair, Gk, da) 7 /
+//     5.5, da out 0.5 / 0.5: ~19 / ~15.
 //   - dcmha_compose_reduce_partials sums the partials of the column tiles (query side) and
 //     of the row chunks (key side) in ascending order: deterministic, no atomics,
 //     independent of the scheduling.
@@ -107,7 +108,7 @@ struct ComposeParams {
   int wvec16;         // 1: w1, w2, g are 16-byte aligned (their column blocks move in 16-byte chunks)
   int pitch;          // elements per head row of a staged tile: tile_pitch<T>() (host layout)
   int tile_bytes;     // H * pitch * elem
-  int row_bytes;      // one row of a stage: its tiles, qw [H][4] and qg [H] floats
+  int row_bytes;      // one row of a stage: its tiles, qw [H][4] and qk [H][4] floats
   int rows_per_step;  // rows per ring stage
   int stage_bytes;    // rows_per_step * row_bytes
   int scratch_offset; // bytes: after the ring (or the key weights); group totals
@@ -278,37 +279,46 @@ __device__ __forceinline__ void store_tile(const ComposeParams& p, void* base, i
 }
 
 // Row t's query weights (slot cq) into qw [H][4] = {W1[0,n], W1[1,n], W2[0,n], W2[1,n]}
-// and qg [H], by 4-byte cp.async (coalesced on the global side).
-__device__ __forceinline__ void issue_query_weights(const ComposeParams& p, int b, int t, float* qw, float* qg) {
+// and qk [H][4] = {W1[0,n], W1[1,n], G[n], 0} (with_w1; else only qk[n].z = G[n]: the
+// forward), by 4-byte cp.async (coalesced on the global side). The backward's pass 2 reads
+// qk[n] as one broadcast.
+__device__ __forceinline__ void issue_query_weights(const ComposeParams& p, int b, int t, float* qw, float* qk,
+                                                    bool with_w1) {
   const int H = p.H;
   const float* w1 = p.w1 + w_off(p, b, t, p.cq);
   const float* w2 = p.w2 + w_off(p, b, t, p.cq);
   const float* g = p.g + g_off(p, b, t, p.cq);
-  constexpr int kPerThread = (5 * kMaxHeads + kComposeThreads - 1) / kComposeThreads;
+  const int count = with_w1 ? 8 * H : 5 * H;
+  constexpr int kPerThread = (8 * kMaxHeads + kComposeThreads - 1) / kComposeThreads;
   COMPOSE_UNROLL
   for (int k = 0; k < kPerThread; ++k) {
     const int i = threadIdx.x + k * kComposeThreads;
-    if (i >= 5 * H) {
-      // beyond the row's 5H weights
+    if (i >= count) {
+      // beyond the row's weights
     } else if (i < 2 * H) {
       const int r = i / H, n = i - r * H;
       hw::cp_async_ca<4>(qw + 4 * n + r, w1 + i);
     } else if (i < 4 * H) {
       const int j = i - 2 * H, r = j / H, n = j - r * H;
       hw::cp_async_ca<4>(qw + 4 * n + 2 + r, w2 + j);
+    } else if (i < 5 * H) {
+      hw::cp_async_ca<4>(qk + 4 * (i - 4 * H) + 2, g + (i - 4 * H));
+    } else if (i < 7 * H) {
+      const int j = i - 5 * H, r = j / H, n = j - r * H;
+      hw::cp_async_ca<4>(qk + 4 * n + r, w1 + j);
     } else {
-      hw::cp_async_ca<4>(qg + (i - 4 * H), g + (i - 4 * H));
+      hw::cp_async_ca<4>(qk + 4 * (i - 7 * H) + 3, g, 0);  // zero fill
     }
   }
 }
 
-// One row of a stage: tiles (ntiles of them), qw, qg.
+// One row of a stage: tiles (ntiles of them), qw, qk.
 template <typename T>
 struct StageRow {
   T* tile0;
   T* tile1;
   float* qw;   // [H][4]
-  float* qg;
+  float* qk;   // [H][4]
 };
 
 template <typename T>
@@ -318,7 +328,7 @@ __device__ __forceinline__ StageRow<T> stage_row(const ComposeParams& p, unsigne
   out.tile0 = reinterpret_cast<T*>(r);
   out.tile1 = reinterpret_cast<T*>(r + p.tile_bytes);
   out.qw = reinterpret_cast<float*>(r + ntiles * p.tile_bytes);
-  out.qg = reinterpret_cast<float*>(r + ntiles * p.tile_bytes + 16 * p.H);
+  out.qk = reinterpret_cast<float*>(r + ntiles * p.tile_bytes + 16 * p.H);
   return out;
 }
 
@@ -326,7 +336,7 @@ __device__ __forceinline__ StageRow<T> stage_row(const ComposeParams& p, unsigne
 // Forward.
 // ---------------------------------------------------------------------------------------
 template <typename T>
-__device__ __forceinline__ void compose_row_fwd(const ComposeParams& p, T* xs, const float* qw, const float* qg,
+__device__ __forceinline__ void compose_row_fwd(const ComposeParams& p, T* xs, const float* qw, const float* qk,
                                                 const float (&kw1)[kR][kMaxHeads], const float (&kw2)[kR][kMaxHeads],
                                                 const float (&kg)[kMaxHeads], uint32_t ends, uint32_t starts,
                                                 float* scratch) {
@@ -368,7 +378,7 @@ __device__ __forceinline__ void compose_row_fwd(const ComposeParams& p, T* xs, c
       }
       const float x = static_cast<float>(xs[m * pitch + c]);
       const Quad q = load_quad(qw + 4 * m);
-      float y = x * (1.f + qg[m] + kg[m]);
+      float y = x * (1.f + qk[4 * m + 2] + kg[m]);
       y += q.z * tot[0] + kw2[0][m] * tot[2];
       y += q.w * tot[1] + kw2[1][m] * tot[3];
       xs[m * pitch + c] = static_cast<T>(y);
@@ -385,7 +395,7 @@ __device__ __forceinline__ void issue_step(const ComposeParams& p, int b, int t0
     const StageRow<T> r = stage_row<T>(p, stage, j, ntiles);
     issue_tile<T>(p, p.a, b, t0 + j, s0, r.tile0);
     if (ntiles > 1) issue_tile<T>(p, p.grad, b, t0 + j, s0, r.tile1);
-    if (query_weights) issue_query_weights(p, b, t0 + j, r.qw, r.qg);
+    if (query_weights) issue_query_weights(p, b, t0 + j, r.qw, r.qk, ntiles > 1);
   }
 }
 
@@ -426,7 +436,7 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_fwd(const Compo
     const int t0 = t_begin + i * step_rows;
     for (int j = 0; j < step_rows && t0 + j < t_end; ++j) {
       const StageRow<T> r = stage_row<T>(p, stage(i), j, 1);
-      compose_row_fwd<T>(p, r.tile0, r.qw, r.qg, kw1, kw2, kg, ends, starts, scratch);
+      compose_row_fwd<T>(p, r.tile0, r.qw, r.qk, kw1, kw2, kg, ends, starts, scratch);
     }
   }
   __syncthreads();
@@ -558,8 +568,8 @@ __device__ __forceinline__ void bwd_pass2(const ComposeParams& p, const StageRow
       for (int j = 0; j < kRows; ++j) {
         const float x = static_cast<float>(rows[j].tile0[n * pitch + c]);
         const float dy = static_cast<float>(rows[j].tile1[n * pitch + c]);
-        const Quad q = load_quad(rows[j].qw + 4 * n);
-        float d = dy * (1.f + rows[j].qg[n] + kg);
+        const Quad q = load_quad(rows[j].qk + 4 * n);  // {W1q[0,n], W1q[1,n], Gq[n], 0}
+        float d = dy * (1.f + q.z + kg);
         d += q.x * dpq0[j] + kw1.v[0] * dpk0[j];
         d += q.y * dpq1[j] + kw1.v[1] * dpk1[j];
         rows[j].tile1[n * pitch + c] = static_cast<T>(d);
@@ -631,7 +641,7 @@ __device__ __forceinline__ void bwd_passB(const ComposeParams& p, const T* xs, c
 // column's Gk in registers too).
 //   kRows = 1 (fp32, and where the two-row layout does not fit): one stage, loaded while
 //     the SM's other CTA computes (two CTAs per SM at H = 32 bf16 on sm_90, ~100 KiB).
-//   kRows = 2 (bf16/fp16 where it fits: 155 KiB at H = 32, one CTA per SM on sm_80 and
+//   kRows = 2 (bf16/fp16 where it fits: 156 KiB at H = 32, one CTA per SM on sm_80 and
 //     sm_90): two stages, the next step's rows load while this one's are computed.
 // Per step: barrier, store the previous step's da, issue the next step (kRows = 2) or this
 // one (kRows = 1), wait, barrier, pass 1 (all rows), barrier, pass B (row by row), barrier

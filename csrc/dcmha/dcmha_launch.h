@@ -64,7 +64,7 @@ inline int64_t column_block_bytes(int64_t len) {  // stage_column_block's [128, 
 
 // Shared-memory layout of the tile kernels (dcmha_kernel.cuh): `lead` bytes first (the
 // key-side kernel's weights), then a ring of `stages` stages of `rows` rows, each row
-// `ntiles` [H, pitch] tiles + qw [H][4] + qg [H] floats, at least `staging` bytes (the
+// `ntiles` [H, pitch] tiles + qw [H][4] + qk [H][4] floats, at least `staging` bytes (the
 // column weight blocks staged there at the start); then `scratch_per_row * rows + scratch`
 // bytes of group totals. Fills p's layout fields and returns the dynamic shared bytes.
 inline int64_t compose_layout(ComposeParams& p, int64_t elem, int ntiles, int rows, int stages, int64_t lead,
@@ -72,7 +72,7 @@ inline int64_t compose_layout(ComposeParams& p, int64_t elem, int ntiles, int ro
   const int64_t H = p.H;
   p.pitch = static_cast<int>(kComposeColumns + 16 / elem);
   p.tile_bytes = static_cast<int>(H * p.pitch * elem);
-  p.row_bytes = static_cast<int>(ntiles * p.tile_bytes + 16 * H + round16(4 * H));
+  p.row_bytes = static_cast<int>(ntiles * p.tile_bytes + 32 * H);  // + qw, qk [H][4] floats
   p.rows_per_step = rows;
   p.stage_bytes = rows * p.row_bytes;
   const int64_t ring = std::max<int64_t>(static_cast<int64_t>(stages) * p.stage_bytes, staging);
@@ -373,7 +373,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
     const int64_t len = kGradFields * H, rows = s.batch * s.seq;
     // Key weights [2][H][128][2] + Gk [H][128] floats, then for 2-byte types, where it fits,
     // two stages of two rows and [2][G][4][128] group totals (row blocking, dcmha_compose_bwd
-    // <T, 2>: ~155 KiB at H = 32 bf16, one CTA per SM on sm_80 and sm_90); else one stage of
+    // <T, 2>: ~156 KiB at H = 32 bf16, one CTA per SM on sm_80 and sm_90); else one stage of
     // one row and [G][4][128] group totals (<T, 1>: ~100 KiB at H = 32 bf16, two CTAs per SM
     // on sm_90, one on sm_80). The [128][5H | 1] column sums reuse the whole buffer at the
     // end. Where neither fits the device's limit (the 99 KiB parts at H = 32),

@@ -165,7 +165,7 @@ def test_backward_bitwise_repeatable(backend):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("t,groups", [(131, 1), (144, 4)])
 def test_backward_row_blocking_bitwise_equal_to_one_row(monkeypatch, dtype, t, groups):
-    # dcmha_compose_bwd<T, 2> (two rows per step, the default where ~155 KiB fits) and
+    # dcmha_compose_bwd<T, 2> (two rows per step, the default where ~156 KiB fits) and
     # dcmha_compose_bwd<T, 1> (one row per step, taken under a 120000-byte opt-in limit)
     # sum in the same order: bitwise the same results (odd last step at T = 131).
     sim = headwise.testing.backend("sim")
