@@ -31,10 +31,13 @@
 //     of a (and dy) by 16-byte cp.async (element-wise fallback when S * elem is not a
 //     multiple of 16 bytes or a tensor is misaligned), and the row's query weights by
 //     4-byte cp.async into the interleaved layout qw[n] = {W1[0,n], W1[1,n], W2[0,n],
-//     W2[1,n]} plus qg[n], read as broadcasts. The forward keeps two stages of 2 rows in
-//     flight behind the one it computes (one __syncthreads per stage); the backward loads
-//     one row at a time into its single stage (its registers and shared memory allow two
-//     CTAs per SM, which overlap each other's loads), four __syncthreads per row.
+//     W2[1,n]} plus qk[n] = {W1[0,n], W1[1,n], G[n], 0} (backward; the forward fills only
+//     G[n]), read as 16-byte broadcasts. The forward keeps two stages of 2 rows in
+//     flight behind the one it computes (one __syncthreads per stage). The backward
+//     (bf16/fp16 where its shared memory fits) takes 2 rows per step in two stages, the
+//     next step loading while this one computes (one CTA per SM: ~156 KiB at H = 32); else
+//     (fp32, smaller parts) 1 row per step in one stage, two CTAs per SM on sm_90 (~100
+//     KiB at H = 32 bf16) overlapping each other's loads. Four __syncthreads per step.
 //   - Per (t, s) the thread mixes the heads from shared memory (a[n] of its column:
 //     consecutive lanes, consecutive words, conflict-free) and registers: pass 1 the group
 //     projections, pass 2 the outputs, written in place into the tile, which the next step
@@ -45,7 +48,14 @@
 //     tile's head rows are padded by 16 bytes so that these 32 lanes hit 32 banks), sums
 //     the columns in a fixed order and folds the 4 lanes by two xor shuffles; one [5H]
 //     partial per (column tile, t). The key-side gradients of a column are summed over the
-//     CTA's rows in registers; one [5H] partial per (row chunk, s).
+//     CTA's rows in registers; one [5H] partial per (row chunk, s). Row blocking: with 2
+//     rows per step, passes 1 and 2 read a head's key-side weights (W1k, W2k pairs, Gk)
+//     from shared memory once for both rows; each row's sums keep the one-row order
+//     (bitwise the same results as 1 row per step).
+//   - Shared-memory wavefronts of the backward per 32 (t, s, head) elements (bf16, G = 1),
+//     1 row / 2 rows per step: tiles in (cp.async) 1 / 1, pass 1 (a, dy, qw quad, W1k and
+//     W2k pairs) 7 / 5, pass B 3 / 3, pass 2 (a, dy, qk quad, W1k pair, Gk, da) 7 /
+//     5.5, da out 0.5 / 0.5: ~19 / ~15.
 //   - dcmha_compose_reduce_partials sums the partials of the column tiles (query side) and
 //     of the row chunks (key side) in ascending order: deterministic, no atomics,
 //     independent of the scheduling.
@@ -98,7 +108,7 @@ struct ComposeParams {
   int wvec16;         // 1: w1, w2, g are 16-byte aligned (their column blocks move in 16-byte chunks)
   int pitch;          // elements per head row of a staged tile: tile_pitch<T>() (host layout)
   int tile_bytes;     // H * pitch * elem
-  int row_bytes;      // one row of a stage: its tiles, qw [H][4] and qg [H] floats
+  int row_bytes;      // one row of a stage: its tiles, qw [H][4] and qk [H][4] floats
   int rows_per_step;  // rows per ring stage
   int stage_bytes;    // rows_per_step * row_bytes
   int scratch_offset; // bytes: after the ring (or the key weights); group totals
@@ -269,37 +279,46 @@ __device__ __forceinline__ void store_tile(const ComposeParams& p, void* base, i
 }
 
 // Row t's query weights (slot cq) into qw [H][4] = {W1[0,n], W1[1,n], W2[0,n], W2[1,n]}
-// and qg [H], by 4-byte cp.async (coalesced on the global side).
-__device__ __forceinline__ void issue_query_weights(const ComposeParams& p, int b, int t, float* qw, float* qg) {
+// and qk [H][4] = {W1[0,n], W1[1,n], G[n], 0} (with_w1; else only qk[n].z = G[n]: the
+// forward), by 4-byte cp.async (coalesced on the global side). The backward's pass 2 reads
+// qk[n] as one broadcast.
+__device__ __forceinline__ void issue_query_weights(const ComposeParams& p, int b, int t, float* qw, float* qk,
+                                                    bool with_w1) {
   const int H = p.H;
   const float* w1 = p.w1 + w_off(p, b, t, p.cq);
   const float* w2 = p.w2 + w_off(p, b, t, p.cq);
   const float* g = p.g + g_off(p, b, t, p.cq);
-  constexpr int kPerThread = (5 * kMaxHeads + kComposeThreads - 1) / kComposeThreads;
+  const int count = with_w1 ? 8 * H : 5 * H;
+  constexpr int kPerThread = (8 * kMaxHeads + kComposeThreads - 1) / kComposeThreads;
   COMPOSE_UNROLL
   for (int k = 0; k < kPerThread; ++k) {
     const int i = threadIdx.x + k * kComposeThreads;
-    if (i >= 5 * H) {
-      // beyond the row's 5H weights
+    if (i >= count) {
+      // beyond the row's weights
     } else if (i < 2 * H) {
       const int r = i / H, n = i - r * H;
       hw::cp_async_ca<4>(qw + 4 * n + r, w1 + i);
     } else if (i < 4 * H) {
       const int j = i - 2 * H, r = j / H, n = j - r * H;
       hw::cp_async_ca<4>(qw + 4 * n + 2 + r, w2 + j);
+    } else if (i < 5 * H) {
+      hw::cp_async_ca<4>(qk + 4 * (i - 4 * H) + 2, g + (i - 4 * H));
+    } else if (i < 7 * H) {
+      const int j = i - 5 * H, r = j / H, n = j - r * H;
+      hw::cp_async_ca<4>(qk + 4 * n + r, w1 + j);
     } else {
-      hw::cp_async_ca<4>(qg + (i - 4 * H), g + (i - 4 * H));
+      hw::cp_async_ca<4>(qk + 4 * (i - 7 * H) + 3, g, 0);  // zero fill
     }
   }
 }
 
-// One row of a stage: tiles (ntiles of them), qw, qg.
+// One row of a stage: tiles (ntiles of them), qw, qk.
 template <typename T>
 struct StageRow {
   T* tile0;
   T* tile1;
   float* qw;   // [H][4]
-  float* qg;
+  float* qk;   // [H][4]
 };
 
 template <typename T>
@@ -309,7 +328,7 @@ __device__ __forceinline__ StageRow<T> stage_row(const ComposeParams& p, unsigne
   out.tile0 = reinterpret_cast<T*>(r);
   out.tile1 = reinterpret_cast<T*>(r + p.tile_bytes);
   out.qw = reinterpret_cast<float*>(r + ntiles * p.tile_bytes);
-  out.qg = reinterpret_cast<float*>(r + ntiles * p.tile_bytes + 16 * p.H);
+  out.qk = reinterpret_cast<float*>(r + ntiles * p.tile_bytes + 16 * p.H);
   return out;
 }
 
@@ -317,7 +336,7 @@ __device__ __forceinline__ StageRow<T> stage_row(const ComposeParams& p, unsigne
 // Forward.
 // ---------------------------------------------------------------------------------------
 template <typename T>
-__device__ __forceinline__ void compose_row_fwd(const ComposeParams& p, T* xs, const float* qw, const float* qg,
+__device__ __forceinline__ void compose_row_fwd(const ComposeParams& p, T* xs, const float* qw, const float* qk,
                                                 const float (&kw1)[kR][kMaxHeads], const float (&kw2)[kR][kMaxHeads],
                                                 const float (&kg)[kMaxHeads], uint32_t ends, uint32_t starts,
                                                 float* scratch) {
@@ -359,7 +378,7 @@ __device__ __forceinline__ void compose_row_fwd(const ComposeParams& p, T* xs, c
       }
       const float x = static_cast<float>(xs[m * pitch + c]);
       const Quad q = load_quad(qw + 4 * m);
-      float y = x * (1.f + qg[m] + kg[m]);
+      float y = x * (1.f + qk[4 * m + 2] + kg[m]);
       y += q.z * tot[0] + kw2[0][m] * tot[2];
       y += q.w * tot[1] + kw2[1][m] * tot[3];
       xs[m * pitch + c] = static_cast<T>(y);
@@ -376,7 +395,7 @@ __device__ __forceinline__ void issue_step(const ComposeParams& p, int b, int t0
     const StageRow<T> r = stage_row<T>(p, stage, j, ntiles);
     issue_tile<T>(p, p.a, b, t0 + j, s0, r.tile0);
     if (ntiles > 1) issue_tile<T>(p, p.grad, b, t0 + j, s0, r.tile1);
-    if (query_weights) issue_query_weights(p, b, t0 + j, r.qw, r.qg);
+    if (query_weights) issue_query_weights(p, b, t0 + j, r.qw, r.qk, ntiles > 1);
   }
 }
 
@@ -417,7 +436,7 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_fwd(const Compo
     const int t0 = t_begin + i * step_rows;
     for (int j = 0; j < step_rows && t0 + j < t_end; ++j) {
       const StageRow<T> r = stage_row<T>(p, stage(i), j, 1);
-      compose_row_fwd<T>(p, r.tile0, r.qw, r.qg, kw1, kw2, kg, ends, starts, scratch);
+      compose_row_fwd<T>(p, r.tile0, r.qw, r.qk, kw1, kw2, kg, ends, starts, scratch);
     }
   }
   __syncthreads();
@@ -430,40 +449,54 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_fwd(const Compo
 // Query-side group totals of a (t, s) kept by pass 1 for pass B: [G][4][128] floats.
 constexpr int kBwdGroupValues = 4;  // pq0, pq1, dpq0, dpq1
 
-// Pass 1 of row t, this thread's column: per group pq = W1q a, dpq = W2q dy into grp_tot
-// (read by pass B for every column and by pass 2), and dpk = W2k dy, pk = W1k a, returned
-// in key_tot for the last group (the only one when G = 1; pass 2 recomputes them per group
-// when G > 1, from shared memory).
-template <typename T>
-__device__ __forceinline__ void bwd_pass1(const ComposeParams& p, const T* xs, const T* dys, const float* qw,
-                                          const float* kwt, uint32_t ends, float* grp_tot, float (&key_tot)[4]) {
+// Pass 1 of the kRows rows of a step, this thread's column: per row and group pq = W1q a,
+// dpq = W2q dy into that row's grp_tot (read by pass B for every column and by pass 2), and
+// dpk = W2k dy, pk = W1k a, returned in key_tot for the last group (the only one when
+// G = 1; pass 2 recomputes them per group when G > 1, from shared memory). The key-side
+// weights of head n are read once for the kRows rows (row blocking); each row's sums run
+// in the order of a one-row step.
+template <typename T, int kRows>
+__device__ __forceinline__ void bwd_pass1(const ComposeParams& p, const StageRow<T> (&rows)[kRows], const float* kwt,
+                                          uint32_t ends, float* grp_tot, int grp_stride,
+                                          float (&key_tot)[kRows][4]) {
   const int H = p.H, c = threadIdx.x;
   constexpr int pitch = tile_pitch<T>();
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float acc[kRows][8];
+#pragma unroll
+  for (int j = 0; j < kRows; ++j)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[j][k] = 0.f;
   int grp = 0;
 #pragma unroll
   for (int n = 0; n < kMaxHeads; ++n) {
     if (n < H) {
-      const float x = static_cast<float>(xs[n * pitch + c]);
-      const float dy = static_cast<float>(dys[n * pitch + c]);
-      const Quad q = load_quad(qw + 4 * n);
       const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 2 * (n * kComposeColumns + c));
       const hw::Pack<float, 2> kw2 = hw::load_pack<float, 2>(kwt + 2 * ((H + n) * kComposeColumns + c));
-      acc[0] += q.x * x;
-      acc[1] += q.y * x;
-      acc[2] += q.z * dy;
-      acc[3] += q.w * dy;
-      acc[4] += kw2.v[0] * dy;
-      acc[5] += kw2.v[1] * dy;
-      acc[6] += kw1.v[0] * x;
-      acc[7] += kw1.v[1] * x;
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const float x = static_cast<float>(rows[j].tile0[n * pitch + c]);
+        const float dy = static_cast<float>(rows[j].tile1[n * pitch + c]);
+        const Quad q = load_quad(rows[j].qw + 4 * n);
+        acc[j][0] += q.x * x;
+        acc[j][1] += q.y * x;
+        acc[j][2] += q.z * dy;
+        acc[j][3] += q.w * dy;
+        acc[j][4] += kw2.v[0] * dy;
+        acc[j][5] += kw2.v[1] * dy;
+        acc[j][6] += kw1.v[0] * x;
+        acc[j][7] += kw1.v[1] * x;
+      }
       if ((ends >> n) & 1u) {
 #pragma unroll
-        for (int k = 0; k < kBwdGroupValues; ++k) grp_tot[(grp * kBwdGroupValues + k) * kComposeColumns + c] = acc[k];
+        for (int j = 0; j < kRows; ++j) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) key_tot[k] = acc[4 + k];
+          for (int k = 0; k < kBwdGroupValues; ++k)
+            grp_tot[j * grp_stride + (grp * kBwdGroupValues + k) * kComposeColumns + c] = acc[j][k];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+          for (int k = 0; k < 4; ++k) key_tot[j][k] = acc[j][4 + k];
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[j][k] = 0.f;
+        }
         ++grp;
       }
     }
@@ -477,55 +510,77 @@ struct KeyGradSums {
   float w2[kR][kMaxHeads];
 };
 
-// Pass 2 of row t, this thread's column: da[n] = dy[n] (1 + Gq + Gk) + sum_r W1q[r,n] dpq[r]
-// + W1k[r,n] dpk[r], written in place over dy; and the key-side sums dGk += a dy,
-// dW1k[r] += a dpk[r], dW2k[r] += pk[r] dy.
-template <typename T>
-__device__ __forceinline__ void bwd_pass2(const ComposeParams& p, const T* xs, T* dys, const float* qw,
-                                          const float* qg, const float* kwt, const float* kgt,
-                                          uint32_t starts, const float* grp_tot, const float (&key_tot)[4],
-                                          KeyGradSums& sums) {
+// Pass 2 of the kRows rows of a step, this thread's column: da[n] = dy[n] (1 + Gq + Gk) +
+// sum_r W1q[r,n] dpq[r] + W1k[r,n] dpk[r], written in place over dy; and the key-side sums
+// dGk += a dy, dW1k[r] += a dpk[r], dW2k[r] += pk[r] dy, row by row (the order of one-row
+// steps: bitwise the same sums). W1k and Gk of head n are read once for the kRows rows.
+// Rows j >= valid (the chunk's odd last row) are computed but add nothing to the sums (and
+// store_step does not write them).
+template <typename T, int kRows>
+__device__ __forceinline__ void bwd_pass2(const ComposeParams& p, const StageRow<T> (&rows)[kRows], int valid,
+                                          const float* kwt, const float* kgt, uint32_t starts, const float* grp_tot,
+                                          int grp_stride, const float (&key_tot)[kRows][4], KeyGradSums& sums) {
   const int H = p.H, c = threadIdx.x, hg = p.hg;
   constexpr int pitch = tile_pitch<T>();
   const bool grouped = hg < H;
-  float dpq0 = 0.f, dpq1 = 0.f;
-  float dpk0 = key_tot[0], dpk1 = key_tot[1], pk0 = key_tot[2], pk1 = key_tot[3];
+  float dpq0[kRows], dpq1[kRows], dpk0[kRows], dpk1[kRows], pk0[kRows], pk1[kRows];
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    dpq0[j] = dpq1[j] = 0.f;
+    dpk0[j] = key_tot[j][0];
+    dpk1[j] = key_tot[j][1];
+    pk0[j] = key_tot[j][2];
+    pk1[j] = key_tot[j][3];
+  }
   int grp = 0;
 #pragma unroll
   for (int n = 0; n < kMaxHeads; ++n) {
     if (n < H) {
       if ((starts >> n) & 1u) {
-        const float* gt = grp_tot + grp * kBwdGroupValues * kComposeColumns + c;
-        dpq0 = gt[2 * kComposeColumns];
-        dpq1 = gt[3 * kComposeColumns];
+#pragma unroll
+        for (int j = 0; j < kRows; ++j) {
+          const float* gt = grp_tot + j * grp_stride + grp * kBwdGroupValues * kComposeColumns + c;
+          dpq0[j] = gt[2 * kComposeColumns];
+          dpq1[j] = gt[3 * kComposeColumns];
+        }
         ++grp;
         if (grouped) {  // this group's key-side totals, in pass 1's order
-          dpk0 = dpk1 = pk0 = pk1 = 0.f;
+#pragma unroll
+          for (int j = 0; j < kRows; ++j) dpk0[j] = dpk1[j] = pk0[j] = pk1[j] = 0.f;
           for (int m = n; m < n + hg; ++m) {
-            const float x = static_cast<float>(xs[m * pitch + c]);
-            const float dy = static_cast<float>(dys[m * pitch + c]);
             const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 2 * (m * kComposeColumns + c));
             const hw::Pack<float, 2> kw2 = hw::load_pack<float, 2>(kwt + 2 * ((H + m) * kComposeColumns + c));
-            dpk0 += kw2.v[0] * dy;
-            dpk1 += kw2.v[1] * dy;
-            pk0 += kw1.v[0] * x;
-            pk1 += kw1.v[1] * x;
+#pragma unroll
+            for (int j = 0; j < kRows; ++j) {
+              const float x = static_cast<float>(rows[j].tile0[m * pitch + c]);
+              const float dy = static_cast<float>(rows[j].tile1[m * pitch + c]);
+              dpk0[j] += kw2.v[0] * dy;
+              dpk1[j] += kw2.v[1] * dy;
+              pk0[j] += kw1.v[0] * x;
+              pk1[j] += kw1.v[1] * x;
+            }
           }
         }
       }
-      const float x = static_cast<float>(xs[n * pitch + c]);
-      const float dy = static_cast<float>(dys[n * pitch + c]);
-      const Quad q = load_quad(qw + 4 * n);
       const hw::Pack<float, 2> kw1 = hw::load_pack<float, 2>(kwt + 2 * (n * kComposeColumns + c));
-      float d = dy * (1.f + qg[n] + kgt[n * kComposeColumns + c]);
-      d += q.x * dpq0 + kw1.v[0] * dpk0;
-      d += q.y * dpq1 + kw1.v[1] * dpk1;
-      dys[n * pitch + c] = static_cast<T>(d);
-      sums.g[n] += x * dy;
-      sums.w1[0][n] += x * dpk0;
-      sums.w1[1][n] += x * dpk1;
-      sums.w2[0][n] += pk0 * dy;
-      sums.w2[1][n] += pk1 * dy;
+      const float kg = kgt[n * kComposeColumns + c];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const float x = static_cast<float>(rows[j].tile0[n * pitch + c]);
+        const float dy = static_cast<float>(rows[j].tile1[n * pitch + c]);
+        const Quad q = load_quad(rows[j].qk + 4 * n);  // {W1q[0,n], W1q[1,n], Gq[n], 0}
+        float d = dy * (1.f + q.z + kg);
+        d += q.x * dpq0[j] + kw1.v[0] * dpk0[j];
+        d += q.y * dpq1[j] + kw1.v[1] * dpk1[j];
+        rows[j].tile1[n * pitch + c] = static_cast<T>(d);
+        if (j < valid) {
+          sums.g[n] += x * dy;
+          sums.w1[0][n] += x * dpk0[j];
+          sums.w1[1][n] += x * dpk1[j];
+          sums.w2[0][n] += pk0[j] * dy;
+          sums.w2[1][n] += pk1[j] * dy;
+        }
+      }
     }
   }
 }
@@ -577,24 +632,30 @@ __device__ __forceinline__ void bwd_passB(const ComposeParams& p, const T* xs, c
   }
 }
 
-// grid (ceil(T / 128) column tiles, ceil(T / 128) row chunks, B), 128 threads, two CTAs
-// per SM at H = 32 (255 registers would spill with the column's Gk in registers too; ~100
-// KiB of shared memory). Shared: kwt [2][H][128][2] floats = {W1k[0,n], W1k[1,n]} and
+// grid (ceil(T / 128) column tiles, ceil(T / 128) row chunks, B), 128 threads; kRows rows
+// per step (row blocking). Shared: kwt [2][H][128][2] floats = {W1k[0,n], W1k[1,n]} and
 // {W2k[0,n], W2k[1,n]} of the CTA's columns (8 bytes per lane, consecutive lanes
-// consecutive; pass 2 reads only the W1k plane), kgt [H][128] = Gk, one stage of one row
-// (a and dy tiles, query weights), group totals [G][4][128]; registers: the column's
-// key-side gradient sums. Per row: load, pass 1, barrier, pass B, barrier (pass B reads
-// dy), pass 2 (da over dy), barrier, store da.
+// consecutive; pass 2 reads only the W1k plane), kgt [H][128] = Gk, the ring of stages
+// (kRows rows each: a and dy tiles, query weights), group totals [kRows][G][4][128];
+// registers: the column's key-side gradient sums (255 registers would spill with the
+// column's Gk in registers too).
+//   kRows = 1 (fp32, and where the two-row layout does not fit): one stage, loaded while
+//     the SM's other CTA computes (two CTAs per SM at H = 32 bf16 on sm_90, ~100 KiB).
+//   kRows = 2 (bf16/fp16 where it fits: 156 KiB at H = 32, one CTA per SM on sm_80 and
+//     sm_90): two stages, the next step's rows load while this one's are computed.
+// Per step: barrier, store the previous step's da, issue the next step (kRows = 2) or this
+// one (kRows = 1), wait, barrier, pass 1 (all rows), barrier, pass B (row by row), barrier
+// (pass B reads dy), pass 2 (all rows, da over dy).
 // Writes p.partials [column tiles, B * T, 5H] (query side, one row per CTA and t) and
 // p.key_partials [row chunks, B * T, 5H] (key side, one row per CTA and s).
-template <typename T>
+template <typename T, int kRows>
 __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd(const ComposeParams p) {
   const int s0 = blockIdx.x * kComposeColumns, b = blockIdx.z, c = threadIdx.x, H = p.H;
   const int t_begin = blockIdx.y * kComposeRows, t_end = min(p.T, t_begin + kComposeRows);
   unsigned char* smem = hw::dynamic_shared_memory();
   float* kwt = reinterpret_cast<float*>(smem);
   float* kgt = kwt + 4 * H * kComposeColumns;
-  unsigned char* stage = smem + static_cast<int64_t>(H) * kComposeColumns * 20;
+  unsigned char* ring = smem + static_cast<int64_t>(H) * kComposeColumns * 20;
   float* grp_tot = reinterpret_cast<float*>(smem + p.scratch_offset);
   {
     // kwt and kgt by 4-byte cp.async straight from the coalesced runs of w1, w2 ([128, 2H])
@@ -635,26 +696,42 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd(const Compo
     sums.g[n] = 0.f;
     sums.w1[0][n] = sums.w1[1][n] = sums.w2[0][n] = sums.w2[1][n] = 0.f;
   }
-  const int rows = t_end - t_begin;
-  for (int i = 0; i < rows; ++i) {
-    // One stage: the CTA's other resident CTA (two per SM) computes while this one loads.
-    __syncthreads();  // every thread finished row i - 1
-    if (i > 0) store_step<T>(p, b, t_begin + i - 1, t_end, s0, stage, 2, 1);
-    issue_step<T>(p, b, t_begin + i, t_end, s0, stage, 2, true);  // after this thread's own stores
+  constexpr int kStages = kRows;  // kRows = 2: double-buffered; kRows = 1: one stage
+  const int grp_stride = (H / p.hg) * kBwdGroupValues * kComposeColumns;
+  const int steps = (t_end - t_begin + kRows - 1) / kRows;
+  auto stage = [&](int i) { return ring + (i % kStages) * p.stage_bytes; };
+  if (kStages > 1 && steps > 0) {
+    issue_step<T>(p, b, t_begin, t_end, s0, stage(0), 2, true);
     hw::cp_async_commit();
-    hw::cp_async_wait<0>();
-    __syncthreads();  // row i landed
-    const int t = t_begin + i;
-    const StageRow<T> r = stage_row<T>(p, stage, 0, 2);
-    float key_tot[4] = {0.f, 0.f, 0.f, 0.f};
-    bwd_pass1<T>(p, r.tile0, r.tile1, r.qw, kwt, ends, grp_tot, key_tot);
+  }
+  for (int i = 0; i < steps; ++i) {
+    const int t0 = t_begin + i * kRows;
+    __syncthreads();  // every thread finished step i - 1
+    if (i > 0) store_step<T>(p, b, t0 - kRows, t_end, s0, stage(i - 1), 2, 1);
+    // Thread-exact refills: after this thread's own stores of the stage.
+    if (kStages == 1) {
+      issue_step<T>(p, b, t0, t_end, s0, stage(i), 2, true);
+      hw::cp_async_commit();
+      hw::cp_async_wait<0>();
+    } else {
+      if (i + 1 < steps) issue_step<T>(p, b, t0 + kRows, t_end, s0, stage(i + 1), 2, true);
+      hw::cp_async_commit();
+      hw::cp_async_wait<kStages - 1>();
+    }
+    __syncthreads();  // step i landed
+    StageRow<T> r[kRows];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) r[j] = stage_row<T>(p, stage(i), j, 2);
+    const int valid = min(kRows, t_end - t0);
+    float key_tot[kRows][4] = {};
+    bwd_pass1<T, kRows>(p, r, kwt, ends, grp_tot, grp_stride, key_tot);
     __syncthreads();  // every column's group totals
-    bwd_passB<T>(p, r.tile0, r.tile1, grp_tot, b, t);
+    for (int j = 0; j < valid; ++j) bwd_passB<T>(p, r[j].tile0, r[j].tile1, grp_tot + j * grp_stride, b, t0 + j);
     __syncthreads();  // pass B read dy before pass 2 overwrites it with da
-    bwd_pass2<T>(p, r.tile0, r.tile1, r.qw, r.qg, kwt, kgt, starts, grp_tot, key_tot, sums);
+    bwd_pass2<T, kRows>(p, r, valid, kwt, kgt, starts, grp_tot, grp_stride, key_tot, sums);
   }
   __syncthreads();
-  if (rows > 0) store_step<T>(p, b, t_end - 1, t_end, s0, stage, 2, 1);
+  if (steps > 0) store_step<T>(p, b, t_begin + (steps - 1) * kRows, t_end, s0, stage(steps - 1), 2, 1);
   // The column sums, [128][5H | 1] through shared memory (kwt and the ring are dead once
   // every thread has stored its last da chunks), then coalesced rows of the key partial
   // [B * T, 5H] (the CTA's 128 columns are one contiguous run).

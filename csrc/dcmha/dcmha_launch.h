@@ -64,7 +64,7 @@ inline int64_t column_block_bytes(int64_t len) {  // stage_column_block's [128, 
 
 // Shared-memory layout of the tile kernels (dcmha_kernel.cuh): `lead` bytes first (the
 // key-side kernel's weights), then a ring of `stages` stages of `rows` rows, each row
-// `ntiles` [H, pitch] tiles + qw [H][4] + qg [H] floats, at least `staging` bytes (the
+// `ntiles` [H, pitch] tiles + qw [H][4] + qk [H][4] floats, at least `staging` bytes (the
 // column weight blocks staged there at the start); then `scratch_per_row * rows + scratch`
 // bytes of group totals. Fills p's layout fields and returns the dynamic shared bytes.
 inline int64_t compose_layout(ComposeParams& p, int64_t elem, int ntiles, int rows, int stages, int64_t lead,
@@ -72,7 +72,7 @@ inline int64_t compose_layout(ComposeParams& p, int64_t elem, int ntiles, int ro
   const int64_t H = p.H;
   p.pitch = static_cast<int>(kComposeColumns + 16 / elem);
   p.tile_bytes = static_cast<int>(H * p.pitch * elem);
-  p.row_bytes = static_cast<int>(ntiles * p.tile_bytes + 16 * H + round16(4 * H));
+  p.row_bytes = static_cast<int>(ntiles * p.tile_bytes + 32 * H);  // + qw, qk [H][4] floats
   p.rows_per_step = rows;
   p.stage_bytes = rows * p.row_bytes;
   const int64_t ring = std::max<int64_t>(static_cast<int64_t>(stages) * p.stage_bytes, staging);
@@ -371,18 +371,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
     const int64_t chunks = (s.seq + kComposeRows - 1) / kComposeRows;
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks), static_cast<unsigned>(s.batch));
     const int64_t len = kGradFields * H, rows = s.batch * s.seq;
-    // Key weights [2][H][128][2] + Gk [H][128] floats, one stage of one row, [G][4][128]
-    // group totals (~100 KiB at H = 32 bf16: two CTAs per SM on sm_90, one on sm_80); the
-    // [128][5H | 1] column sums reuse the whole buffer at the end. Where that is over the
-    // device's limit (the 99 KiB parts at H = 32), compose_backward_by_library instead.
+    // Key weights [2][H][128][2] + Gk [H][128] floats, then for 2-byte types, where it fits,
+    // two stages of two rows and [2][G][4][128] group totals (row blocking, dcmha_compose_bwd
+    // <T, 2>: ~156 KiB at H = 32 bf16, one CTA per SM on sm_80 and sm_90); else one stage of
+    // one row and [G][4][128] group totals (<T, 1>: ~100 KiB at H = 32 bf16, two CTAs per SM
+    // on sm_90, one on sm_80). The [128][5H | 1] column sums reuse the whole buffer at the
+    // end. Where neither fits the device's limit (the 99 KiB parts at H = 32),
+    // compose_backward_by_library instead. Both kernels give bitwise the same results.
     const int64_t key_weights = H * kComposeColumns * 20;
-    const int64_t smem = std::max<int64_t>(
-        compose_layout(p, elem, 2, 1, 1, key_weights, 0, groups * kBwdGroupValues * kComposeColumns * 4, 0),
-        static_cast<int64_t>(kComposeColumns) * (len | 1) * 4);
-    bool fits = true;
+    const int64_t group_totals = groups * kBwdGroupValues * kComposeColumns * 4;
+    auto bwd_layout = [&](int rows) {
+      return std::max<int64_t>(compose_layout(p, elem, 2, rows, rows, key_weights, 0, group_totals, 0),
+                               static_cast<int64_t>(kComposeColumns) * (len | 1) * 4);
+    };
+    bool fits = true, two_rows = false;
+    int64_t smem = 0;
     dispatch_storage_dtype(a.scalar_type(), "dcmha_compose_backward", "a", [&](auto tag) {
-      fits = static_cast<size_t>(smem) + hw::static_smem_bytes(&dcmha_compose_bwd<decltype(tag)>) <=
-             hw::max_dynamic_smem_optin();
+      using T = decltype(tag);
+      const size_t limit = hw::max_dynamic_smem_optin();
+      if constexpr (sizeof(T) == 2) {
+        smem = bwd_layout(2);
+        two_rows = static_cast<size_t>(smem) + hw::static_smem_bytes(&dcmha_compose_bwd<T, 2>) <= limit;
+      }
+      if (!two_rows) {
+        smem = bwd_layout(1);
+        fits = static_cast<size_t>(smem) + hw::static_smem_bytes(&dcmha_compose_bwd<T, 1>) <= limit;
+      }
     });
     if (!fits) {
       compose_backward_by_library(x, dy, w1f, w2f, gf, p.cq, p.ck, groups, da, dw1, dw2, dg);
@@ -396,9 +410,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
     const unsigned reduce_blocks = static_cast<unsigned>((rows * len + kReduceThreads - 1) / kReduceThreads);
     dispatch_storage_dtype(a.scalar_type(), "dcmha_compose_backward", "a", [&](auto tag) {
       using T = decltype(tag);
-      auto kernel = &dcmha_compose_bwd<T>;
-      hw::allow_dynamic_smem("dcmha_compose_backward", kernel, static_cast<size_t>(smem));
-      HW_LAUNCH("dcmha_compose_bwd", kernel, grid, dim3(kComposeThreads), static_cast<size_t>(smem), p);
+      auto launch = [&](auto kernel) {
+        hw::allow_dynamic_smem("dcmha_compose_backward", kernel, static_cast<size_t>(smem));
+        HW_LAUNCH("dcmha_compose_bwd", kernel, grid, dim3(kComposeThreads), static_cast<size_t>(smem), p);
+      };
+      if constexpr (sizeof(T) == 2) {
+        if (two_rows) {
+          launch(&dcmha_compose_bwd<T, 2>);
+          return;
+        }
+      }
+      launch(&dcmha_compose_bwd<T, 1>);
     });
     HW_LAUNCH("dcmha_compose_reduce_partials", dcmha_compose_reduce_partials, dim3(reduce_blocks),
               dim3(kReduceThreads), 0, p, static_cast<const float*>(p.partials), static_cast<int>(tiles), p.cq);

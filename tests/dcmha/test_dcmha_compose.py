@@ -162,6 +162,27 @@ def test_backward_bitwise_repeatable(backend):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t,groups", [(131, 1), (144, 4)])
+def test_backward_row_blocking_bitwise_equal_to_one_row(monkeypatch, dtype, t, groups):
+    # dcmha_compose_bwd<T, 2> (two rows per step, the default where ~156 KiB fits) and
+    # dcmha_compose_bwd<T, 1> (one row per step, taken under a 120000-byte opt-in limit)
+    # sum in the same order: bitwise the same results (odd last step at T = 131).
+    sim = headwise.testing.backend("sim")
+    gen = torch.Generator().manual_seed(t)
+    a = torch.randn(1, 32, t, t, generator=gen).to(dtype)
+    w = make_weights(1, t, 32, seed=t, dtype=dtype)
+    grad = torch.randn(1, 32, t, t, generator=gen).to(dtype)
+    kw = dict(slot="post", head_groups=groups)
+    two_rows = _fwd_bwd(sim.dcmha_compose, a, w, grad, **kw)
+    monkeypatch.setenv("HEADWISE_SIM_SMEM_OPTIN", "120000")
+    with torch.profiler.profile() as prof:
+        one_row = _fwd_bwd(sim.dcmha_compose, a, w, grad, **kw)
+    assert not any(e.name == "aten::einsum" for e in prof.events())
+    for x, y in zip(two_rows, one_row):
+        assert torch.equal(x, y)
+
+
 def test_zero_weights_are_identity(backend):
     a = torch.randn(2, 4, 7, 7).to(backend.device)
     w = DCMHAWeights.zeros(2, 7, 4, device=backend.device)
