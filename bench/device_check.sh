@@ -90,6 +90,20 @@ run_capped 75 "targets" $PY -m headwise.bench.targets merge dcmha --json "$RES/t
 stage "DCMHA forward + backward at the target shape (bf16: the tensor-core backward) against flash and DCFormer's compiled query chunks"
 run_capped 120 "targets dcmha-backward" $PY -m headwise.bench.targets dcmha-backward --json "$RES/targets_dcmha_backward.json"
 
+stage "dcmha_compose backward: the two-row kernel (one CTA per SM) against the one-row kernel (two)"
+run_capped 40 "compose bwd rows A/B" $PY -c "
+import os, torch, headwise
+from headwise.bench.timing import interleaved_median_ms
+g = torch.Generator().manual_seed(0)
+a = torch.randn(2, 32, 2048, 2048, generator=g).cuda().bfloat16(); dy = torch.randn_like(a)
+w = [torch.randn(2, 2048, 4, 2, 32, generator=g).cuda().bfloat16(), torch.randn(2, 2048, 4, 2, 32, generator=g).cuda().bfloat16() * 0.1,
+     torch.randn(2, 2048, 4, 32, generator=g).cuda().bfloat16() * 0.1]
+def run(rows):
+    os.environ['HEADWISE_DCMHA_COMPOSE_BWD_ROWS'] = rows
+    return torch.ops.headwise.dcmha_compose_backward(dy, a, *w, 0, 1)
+t = interleaved_median_ms({'two rows': (lambda: run('2'), None), 'one row': (lambda: run('1'), None)}, torch.device('cuda'), repeats=10, warmup=2)
+print('dcmha_compose backward B=2 H=32 T=S=2048 bf16 (HBM floor est. 395 us):', {k: round(v * 1e3, 1) for k, v in t.items()}, 'us')"
+
 stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
 run_capped 90 "calibrate" $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
   --estimates bench/sim_profile_h200_2026-11-30_after_gpu_run.json --json "$RES/calibration.json"

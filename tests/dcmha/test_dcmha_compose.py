@@ -183,6 +183,34 @@ def test_backward_row_blocking_bitwise_equal_to_one_row(monkeypatch, dtype, t, g
         assert torch.equal(x, y)
 
 
+def test_backward_rows_env_keeps_the_one_row_kernel(monkeypatch):
+    # HEADWISE_DCMHA_COMPOSE_BWD_ROWS=1 launches the one-row kernel (less shared memory,
+    # two CTAs per SM) where the two-row one fits: same bits, for A/B timing on a GPU.
+    import importlib.util
+
+    if importlib.util.find_spec("headwise._sim_profile") is None:
+        pytest.skip("headwise._sim_profile not built")
+    from headwise.ops import load_profile_library
+    from headwise.testing import profiled_launches
+
+    ops = load_profile_library()
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(1, 32, 70, 70, generator=gen).bfloat16()
+    w = make_weights(1, 70, 32, seed=1, dtype=torch.bfloat16)
+    grad = torch.randn(1, 32, 70, 70, generator=gen).bfloat16()
+
+    def run():
+        return profiled_launches(lambda: _fwd_bwd(ops.dcmha_compose, a, w, grad, slot="pre"))
+
+    two, recs_two = run()
+    monkeypatch.setenv("HEADWISE_DCMHA_COMPOSE_BWD_ROWS", "1")
+    one, recs_one = run()
+    smem = [[r["dynamic_smem_bytes"] for r in recs if r["kernel"] == "dcmha_compose_bwd"] for recs in (recs_two, recs_one)]
+    assert len(smem[0]) == len(smem[1]) == 1 and smem[0][0] > smem[1][0], smem
+    for x, y in zip(two, one):
+        assert torch.equal(x, y)
+
+
 def test_zero_weights_are_identity(backend):
     a = torch.randn(2, 4, 7, 7).to(backend.device)
     w = DCMHAWeights.zeros(2, 7, 4, device=backend.device)
