@@ -37,7 +37,9 @@
 //   16-byte row chunks (a warp stores 512 contiguous bytes) when the output rows are
 //   16-byte aligned, else as element stores on consecutive columns. It costs no extra
 //   shared memory (17 KiB of the 48 KiB ring for 16-bit T, 34 KiB for fp32) and two
-//   __syncthreads per warp row.
+//   __syncthreads per warp row. The grad_z kernel's gate term c = <Z, P> goes through the
+//   ring the same way just before (tile_dot_staged: P in fp32, 37 KiB, Z read in 16-byte
+//   row chunks).
 //
 // Budget at the target shape B*Q = 16384, H = 32, Dv = 128, D = 4096, bf16 (ESTIMATES,
 // the H200 model of python/headwise/bench/sim_profile.py; nothing measured on a GPU)
@@ -288,6 +290,95 @@ __device__ __forceinline__ void store_tile_staged(unsigned char* smem, const Val
   }
 }
 
+// The gate's gradient term of a backward tile: sum over rows r < rows, columns c < cols of
+// z[r * ld + c] * P(r, c), P(r, c) = acc fragment element e of mma tile (i, j) of the warp
+// (the layout of store_tile_staged), in fp32; returns this thread's share (the caller sums
+// the shares over the CTA in a fixed order). Z is read in rows, not at the fragments'
+// positions (2 elements per lane, 8 rows per request: 4x the ideal sectors): the warp rows
+// take turns putting P (fp32, unrounded) into a [64][kLdp] float tile in the idle ring
+// (37 KiB of kSmemBytes), then all threads read Z in 16-byte row chunks (a warp reads 2
+// rows of 256 contiguous bytes) when z and the row stride ld are 16-byte aligned (the chunk
+// past cols, if any, by elements), else elements on consecutive columns, each multiplied
+// by P from shared memory. Per thread the products are added in a fixed order (its chunks
+// or elements in ascending id, a chunk's elements in column order): the sum is bitwise
+// repeatable. The caller must be done with the ring (no cp.async in flight); starts with
+// __syncthreads and leaves the tile in the ring (its next user synchronizes first).
+//   Staging row layout (conflict-free for every access here): the 4-column groups of P
+//   alternate between two 64-float halves, the second at word kHalf1 = 80 (16 banks on):
+//   column c at word ((c >> 2) & 1) * 80 + (c >> 3) * 4 + (c & 3), so that a 16-byte Z
+//   chunk (8 columns) meets two 16-byte pieces of P, at 4k and 80 + 4k, read by
+//   consecutive lanes from consecutive words (4 wavefronts a warp, the ideal). The row
+//   stride kLdp = 148 is 20 banks mod 32, which, with the halves 16 banks apart, spreads
+//   the fragments' 8-byte writes (8 rows x 4 lanes) over the banks at 2 wavefronts.
+template <typename T>
+__device__ __forceinline__ float tile_dot_staged(unsigned char* smem, const float (&acc)[kMmaM][kMmaN][4],
+                                                 const T* z, int64_t ld, int64_t rows, int64_t cols, int wm,
+                                                 int wn, int lane) {
+  constexpr int E = kChunkElems<T>;
+  constexpr int kHalf1 = 80;           // word of the second half of a staging row
+  constexpr int kLdp = kHalf1 + 68;    // staging row, floats (148: 20 banks mod 32)
+  constexpr int kZChunks = kBN / E;    // 16-byte chunks of Z per tile row
+  static_assert(static_cast<size_t>(kWarpM) * kLdp * sizeof(float) <= kSmemBytes, "a warp row's P fits the ring");
+  static_assert(E == 8 && kBN == 128, "a 16-byte chunk of Z (16-bit T) meets two 16-byte pieces of P");
+  const auto word = [](int col) { return ((col >> 2) & 1) * kHalf1 + (col >> 3) * 4 + (col & 3); };
+  const int g = lane >> 2, t = lane & 3;
+  const bool vec_z = (ld * static_cast<int64_t>(sizeof(T))) % 16 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0;
+  float* stage = reinterpret_cast<float*>(smem);
+  float c = 0.f;
+#pragma unroll 1
+  for (int part = 0; part < kWarpsM; ++part) {
+    __syncthreads();  // the ring (or the previous part's tile) is no longer read
+    if (wm == part * kWarpM) {
+#pragma unroll
+      for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int j = 0; j < kMmaN; ++j) {
+            hw::Pack<float, 2> pair;
+            pair.v[0] = acc[i][j][2 * half];
+            pair.v[1] = acc[i][j][2 * half + 1];
+            hw::store_pack<float, 2>(stage + (i * 16 + g + 8 * half) * kLdp + word(wn + j * 8 + 2 * t), pair);
+          }
+    }
+    __syncthreads();
+    const int64_t part_rows = rows - part * kWarpM;
+    const T* part_z = z + static_cast<int64_t>(part) * kWarpM * ld;
+    if (vec_z) {
+#pragma unroll 1  // rolled: unrolled, the four chunks' loads (48 registers) on top of acc cost occupancy
+      for (int id = threadIdx.x; id < kWarpM * kZChunks; id += kThreads) {
+        const int r = id / kZChunks, k = id % kZChunks, c0 = k * E;
+        if (r >= part_rows || c0 >= cols) continue;
+        const hw::Pack<float, 4> lo = hw::load_pack<float, 4>(stage + r * kLdp + 4 * k);
+        const hw::Pack<float, 4> hi = hw::load_pack<float, 4>(stage + r * kLdp + kHalf1 + 4 * k);
+        const T* src = part_z + r * ld + c0;
+        if (c0 + E <= cols) {
+          const hw::Pack<T, E> x = hw::load_pack<T, E>(src);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) c = fmaf(static_cast<float>(x.v[e]), lo.v[e], c);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) c = fmaf(static_cast<float>(x.v[4 + e]), hi.v[e], c);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (c0 + e < cols) c = fmaf(static_cast<float>(src[e]), lo.v[e], c);
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (c0 + 4 + e < cols) c = fmaf(static_cast<float>(src[4 + e]), hi.v[e], c);
+        }
+      }
+    } else {
+#pragma unroll 1
+      for (int id = threadIdx.x; id < kWarpM * kBN; id += kThreads) {
+        const int r = id / kBN, col = id % kBN;
+        if (r < part_rows && col < cols)
+          c = fmaf(static_cast<float>(part_z[r * ld + col]), stage[r * kLdp + word(col)], c);
+      }
+    }
+  }
+  return c;
+}
+
 // Dynamic shared memory of the forward: the operand ring, then the head order (H ints).
 inline size_t fwd_smem_bytes(int64_t heads) {
   return kSmemBytes + static_cast<size_t>((heads * static_cast<int64_t>(sizeof(int)) + 15) / 16 * 16);
@@ -493,9 +584,12 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
 //   dW_h    = sum_b alpha[b,h] dy_b^T Z[b,h]  [D, Dv]
 // Both use the forward's CTA shape (128 x 128 tile, 8 warps of 64 x 32, 3-stage cp.async
 // ring, 16 KiB per stage) and its staged epilogue (store_tile_staged: dZ in z's layout
-// and dW leave in 16-byte row stores where their rows are 16-byte aligned). An operand
-// whose k axis is its rows in memory (W_h for dZ: [k = n of D][Dv]; dy^T and Z for dW:
-// [k = q][*]) is staged as kTransK = 32 k-rows of 128 elements (256-byte rows, 16-byte
+// and dW leave in 16-byte row stores where their rows are 16-byte aligned). The gate's
+// gradient term c (a partial per grad_z CTA) reads Z in 16-byte row chunks against P
+// staged in fp32 in the idle ring first (tile_dot_staged; element loads on consecutive
+// columns when Z's rows are not 16-byte aligned), not at the fragments' positions. An
+// operand whose k axis is its rows in memory (W_h for dZ: [k = n of D][Dv]; dy^T and Z
+// for dW: [k = q][*]) is staged as kTransK = 32 k-rows of 128 elements (256-byte rows, 16-byte
 // chunk c of row r at c ^ (r & 7): the 8 rows one ldmatrix.trans phase reads land in 8
 // bank groups, conflict-free) and read by ldmatrix.x4.trans, which hands out the k-pairs
 // the mma fragments need.
@@ -581,8 +675,11 @@ struct TcBwdParams {
 // grad_z and c: grid (B * H * q_tiles * dv_tiles), kThreads threads, kSmemBytes:
 // blockIdx.x = ((b * H + h) * q_tiles + q tile) * dv_tiles + Dv tile. K loop over D in
 // 32-deep slices: A = dy_b rows (plain), B = W[k, h*Dv + n] (transposed slice).
+// Two CTAs per SM (2 x 48 KiB of shared memory, 128 registers a thread): without the
+// bound, ptxas gives the sm_80 build ~156 registers once the c epilogue is there (1 CTA
+// per SM); with it, 128 and no spills (sm_90 needs ~120 either way).
 template <typename T, int CopyBytes>
-__global__ void __launch_bounds__(kThreads) head_merge_bwd_dz_tc_kernel(TcBwdParams p) {
+__global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwdParams p) {
   unsigned char* smem = hw::dynamic_shared_memory();
   auto a_tile = [&](int stage) { return smem + stage * 2 * kTileBytes; };
   auto b_tile = [&](int stage) { return smem + stage * 2 * kTileBytes + kTileBytes; };
@@ -640,34 +737,21 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dz_tc_kernel(TcBwdPar
   }
   hw::cp_async_wait<0>();
 
-  // Epilogue: c partial = sum of Z * P over the tile (from the fragments), then dZ = alpha P
-  // in z's layout, staged through the idle ring (store_tile_staged).
+  // Epilogue: c partial = sum of Z * P over the tile (Z read in rows against P staged in
+  // the idle ring, tile_dot_staged), then dZ = alpha P in z's layout, staged through the
+  // ring as well (store_tile_staged).
   const float alpha = p.gate.scale(b) * g;
-  const int gq = lane >> 2, t = lane & 3;
-  const T* z = static_cast<const T*>(p.z) + b * p.z_sb + h * p.z_sh + q0 * p.z_sq + n0;
-  float c = 0.f;
-  if (need_c) {
-#pragma unroll
-    for (int j = 0; j < kMmaN; ++j) {
-      const int col = wn + j * 8 + 2 * t;
-#pragma unroll
-      for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = wm + i * 16 + gq + 8 * half;
-          if (row >= rows) continue;
-          if (col < cols) c = fmaf(static_cast<float>(z[row * p.z_sq + col]), acc[i][j][2 * half], c);
-          if (col + 1 < cols) c = fmaf(static_cast<float>(z[row * p.z_sq + col + 1]), acc[i][j][2 * half + 1], c);
-        }
-    }
-  }
+  const float c = need_c ? tile_dot_staged<T>(smem, acc, static_cast<const T*>(p.z) + b * p.z_sb + h * p.z_sh +
+                                                             q0 * p.z_sq + n0,
+                                              p.z_sq, rows, cols, wm, wn, lane)
+                         : 0.f;
   store_tile_staged<T>(
       smem, [&](int i, int j, int e) { return alpha * acc[i][j][e]; },
       static_cast<T*>(p.grad_z) + b * p.gz_sb + h * p.gz_sh + q0 * p.gz_sq + n0, p.gz_sq, rows, cols, wm, wn, lane);
   if (need_c) {
     hw::BlockSum block_sum(red);
-    c = block_sum(c);
-    if (threadIdx.x == 0) p.c_part[bh * p.q_tiles * p.dv_tiles + tile_q * p.dv_tiles + tile_n] = c;
+    const float c_cta = block_sum(c);
+    if (threadIdx.x == 0) p.c_part[bh * p.q_tiles * p.dv_tiles + tile_q * p.dv_tiles + tile_n] = c_cta;
   }
 }
 
