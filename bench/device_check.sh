@@ -3,13 +3,14 @@
 #
 # The one prepared check for a machine with an NVIDIA GPU and no network (SPEC section 6):
 # builds headwise in place against that machine's torch (sm_90 + PTX, ptxas reports kept),
-# runs the primitive self-tests (mma.sync / ldmatrix / cp.async / cluster lane maps: the
-# only check of the emulator's fragment maps against real hardware) and the sample GEMM,
-# the other CUDA tests, the issues' acceptance ratios (python -m headwise.bench.targets),
+# runs the CUDA tests, compute-sanitizer memcheck and racecheck on small cases, the issues'
+# acceptance ratios (python -m headwise.bench.targets: merge, DCMHA forward, DCMHA forward +
+# backward against flash and DCFormer's compiled query chunks), the compose backward's
+# two-row / one-row A/B, the primitive self-tests (mma.sync / ldmatrix / cp.async / cluster
+# lane maps against the hardware; they passed on the first H200 run) and the sample GEMM,
 # the emulator's H200 estimates beside the measured times (python -m headwise.bench.calibrate),
-# compute-sanitizer memcheck and racecheck on small cases, one ncu report of the
-# tensor-core merge, then the GPU benchmarks. Stages run in that order (most valuable
-# first); each has its own time limit, cut further by what is left of one budget for the
+# one ncu report of the tensor-core merge, then the GPU benchmarks. Stages run in that
+# order (most valuable first); each has its own time limit, cut further by what is left of one budget for the
 # whole script (HEADWISE_CHECK_BUDGET_S, default 530 s; a stage with under 15 s left is
 # skipped); a failing stage is reported and the next one still runs.
 # RESULTS_DIR (default ./device_results) receives device_check.log (everything printed)
@@ -59,30 +60,19 @@ fi
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 
 PRIMITIVE_TESTS="simt/test_primitives.py gemm/test_sample_gemm.py"
-stage "primitive self-tests and sample GEMM on the GPU (lane maps against the hardware)"
-cd tests
-run_capped 60 "primitive tests" $PY -m pytest -q -ra -k cuda --junitxml="$RES/primitive_tests.xml" \
-  $PRIMITIVE_TESTS
-run_capped 20 "sample gemm timing" $PY -c "
-import torch, headwise
-a = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16); b = torch.randn_like(a)
-for name, f in [('headwise.sample_gemm', lambda: torch.ops.headwise.sample_gemm(a, b)), ('torch.mm', lambda: a @ b.t())]:
-    f(); torch.cuda.synchronize(); s, e = torch.cuda.Event(True), torch.cuda.Event(True); s.record()
-    for _ in range(20): f()
-    e.record(); torch.cuda.synchronize(); ms = s.elapsed_time(e) / 20
-    print(f'{name:22s} 4096^3 bf16: {ms:.3f} ms, {2 * 4096**3 / ms / 1e9:.0f} TFLOP/s')"
-
 stage "CUDA tests"
+cd tests
 XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
 run_capped 120 "cuda tests" $PY -m pytest -q -ra $XDIST -k cuda --junitxml="$RES/cuda_tests.xml" \
   $(for t in $PRIMITIVE_TESTS; do echo "--ignore=$t"; done) .
 cd ..
 
-stage "the emulator's launch-limit test alone (it crashed its xdist worker on the first H200 run)"
-cd tests
-run_capped 30 "emulator launch limits" $PY -X faulthandler -m pytest -q -p no:xdist \
-  dcmha/test_dcmha_attention_sim.py -k refuses
-cd ..
+stage "compute-sanitizer memcheck + racecheck (small cases)"
+for tool in memcheck racecheck; do
+  run_capped 50 "compute-sanitizer $tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    $PY bench/sanitize_cases.py > "$RES/sanitizer_$tool.log" 2>&1
+  tail -3 "$RES/sanitizer_$tool.log"
+done
 
 stage "acceptance ratios of the GPU issues (merge, DCMHA forward)"
 run_capped 75 "targets" $PY -m headwise.bench.targets merge dcmha --json "$RES/targets.json"
@@ -104,16 +94,29 @@ def run(rows):
 t = interleaved_median_ms({'two rows': (lambda: run('2'), None), 'one row': (lambda: run('1'), None)}, torch.device('cuda'), repeats=10, warmup=2)
 print('dcmha_compose backward B=2 H=32 T=S=2048 bf16 (HBM floor est. 395 us):', {k: round(v * 1e3, 1) for k, v in t.items()}, 'us')"
 
+stage "primitive self-tests and sample GEMM on the GPU (lane maps against the hardware)"
+cd tests
+run_capped 60 "primitive tests" $PY -m pytest -q -ra -k cuda --junitxml="$RES/primitive_tests.xml" \
+  $PRIMITIVE_TESTS
+run_capped 20 "sample gemm timing" $PY -c "
+import torch, headwise
+a = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16); b = torch.randn_like(a)
+for name, f in [('headwise.sample_gemm', lambda: torch.ops.headwise.sample_gemm(a, b)), ('torch.mm', lambda: a @ b.t())]:
+    f(); torch.cuda.synchronize(); s, e = torch.cuda.Event(True), torch.cuda.Event(True); s.record()
+    for _ in range(20): f()
+    e.record(); torch.cuda.synchronize(); ms = s.elapsed_time(e) / 20
+    print(f'{name:22s} 4096^3 bf16: {ms:.3f} ms, {2 * 4096**3 / ms / 1e9:.0f} TFLOP/s')"
+cd ..
+
+stage "the emulator's launch-limit test alone (it crashed its xdist worker on the first H200 run)"
+cd tests
+run_capped 30 "emulator launch limits" $PY -X faulthandler -m pytest -q -p no:xdist \
+  dcmha/test_dcmha_attention_sim.py -k refuses
+cd ..
+
 stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
 run_capped 90 "calibrate" $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
   --estimates bench/sim_profile_h200_2026-11-30_after_gpu_run.json --json "$RES/calibration.json"
-
-stage "compute-sanitizer memcheck + racecheck (small cases)"
-for tool in memcheck racecheck; do
-  run_capped 50 "compute-sanitizer $tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-    $PY bench/sanitize_cases.py > "$RES/sanitizer_$tool.log" 2>&1
-  tail -3 "$RES/sanitizer_$tool.log"
-done
 
 stage "ncu: the tensor-core merge forward and grad_z (memory tables, one launch each)"
 run_capped 45 "ncu merge" ncu --clock-control none --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc" --launch-count 2 \
