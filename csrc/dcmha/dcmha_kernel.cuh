@@ -44,9 +44,10 @@
 //     stores with 16-byte coalesced stores. Head groups: the group totals of pass 1 go to
 //     shared scratch [G][.][128] when G > 1 (registers when G = 1).
 //   - The backward makes one pass over a and dy. Pass B reduces the query-side gradients
-//     of each row over the CTA's 128 columns: a warp takes 8 heads x 4 column lanes (the
-//     tile's head rows are padded by 16 bytes so that these 32 lanes hit 32 banks), sums
-//     the columns in a fixed order and folds the 4 lanes by two xor shuffles; one [5H]
+//     of each row over the CTA's 128 columns: a warp takes 8 heads x 4 column lanes, each
+//     lane 4 columns per read (8-byte a and dy reads: the tile's head rows are padded by 16
+//     bytes so that each half-warp's 16 lanes hit 32 banks; 16-byte group-total reads),
+//     sums the columns in a fixed order and folds the 4 lanes by two xor shuffles; one [5H]
 //     partial per (column tile, t). The key-side gradients of a column are summed over the
 //     CTA's rows in registers; one [5H] partial per (row chunk, s). Row blocking: with 2
 //     rows per step, passes 1 and 2 read a head's key-side weights (W1k, W2k pairs, Gk)
@@ -54,8 +55,8 @@
 //     (bitwise the same results as 1 row per step).
 //   - Shared-memory wavefronts of the backward per 32 (t, s, head) elements (bf16, G = 1),
 //     1 row / 2 rows per step: tiles in (cp.async) 1 / 1, pass 1 (a, dy, qw quad, W1k and
-//     W2k pairs) 7 / 5, pass B 3 / 3, pass 2 (a, dy, qk quad, W1k pair, Gk, da) 7 /
-//     5.5, da out 0.5 / 0.5: ~19 / ~15.
+//     W2k pairs) 7 / 5, pass B 2 / 2, pass 2 (a, dy, qk quad, W1k pair, Gk, da) 7 /
+//     5.5, da out 0.5 / 0.5: ~18 / ~14.
 //   - dcmha_compose_reduce_partials sums the partials of the column tiles (query side) and
 //     of the row chunks (key side) in ascending order: deterministic, no atomics,
 //     independent of the scheduling.
@@ -586,34 +587,43 @@ __device__ __forceinline__ void bwd_pass2(const ComposeParams& p, const StageRow
 }
 
 // Pass B of row t: the query-side gradient sums over the CTA's 128 columns. Warp w takes
-// heads 8w + lane / 4; the 4 lanes of a head take column pairs lane % 4, +4, +8, ... and
-// are folded by xor shuffles (fixed order). Writes the CTA's [5H] partial of row t.
+// 8 heads, lane l head 8w + 2 (h % 4) + h / 4 with h = l / 4 (half-warp 0 the even heads,
+// 1 the odd ones); the 4 lanes of a head take 4-column chunks q = l % 4, +4, +8, ..., in
+// ascending order (4 a and 4 dy values in one 8-byte (16-byte fp32) read, the group totals
+// in 16-byte reads), and are folded by xor shuffles (fixed order). Tile pitch 128 + 16
+// bytes: head rows n start at bank 4n, so the 8-byte reads of each half-warp (heads 0, 2,
+// 4, 6 or 1, 3, 5, 7 x 4 chunks) hit 32 distinct banks (fp32's 16-byte reads: 4 per bank
+// per warp, the ideal; 2-way within a quarter-warp); the group totals' 4 chunks per head
+// are 64 contiguous bytes, broadcast to the heads of a group (groups of hg < 8 heads: the
+// warp's groups share banks, conflicted as before). Writes the CTA's [5H] partial of row t.
 template <typename T>
 __device__ __forceinline__ void bwd_passB(const ComposeParams& p, const T* xs, const T* dys, const float* grp_tot,
                                           int b, int t) {
-  const int H = p.H, lane = threadIdx.x & 31;
+  const int H = p.H, lane = threadIdx.x & 31, h = lane >> 2;
   constexpr int pitch = tile_pitch<T>();
-  const int n = (threadIdx.x >> 5) * 8 + (lane >> 2), quarter = lane & 3;
+  const int n = (threadIdx.x >> 5) * 8 + 2 * (h & 3) + (h >> 2), quarter = lane & 3;
   float dg = 0.f, dw1_0 = 0.f, dw1_1 = 0.f, dw2_0 = 0.f, dw2_1 = 0.f;
   if (n < H) {
     const float* gt = grp_tot + (n / p.hg) * kBwdGroupValues * kComposeColumns;
     const T* xr = xs + n * pitch;
     const T* dyr = dys + n * pitch;
-    for (int pair = quarter; pair < kComposeColumns / 2; pair += 4) {
-      const int s = 2 * pair;
-      const hw::Pack<T, 2> xp = hw::load_pack<T, 2>(xr + s);
-      const hw::Pack<T, 2> dp = hw::load_pack<T, 2>(dyr + s);
-      const hw::Pack<float, 2> pq0 = hw::load_pack<float, 2>(gt + 0 * kComposeColumns + s);
-      const hw::Pack<float, 2> pq1 = hw::load_pack<float, 2>(gt + 1 * kComposeColumns + s);
-      const hw::Pack<float, 2> dpq0 = hw::load_pack<float, 2>(gt + 2 * kComposeColumns + s);
-      const hw::Pack<float, 2> dpq1 = hw::load_pack<float, 2>(gt + 3 * kComposeColumns + s);
+    for (int chunk = quarter; chunk < kComposeColumns / 4; chunk += 4) {
+      const int s = 4 * chunk;
+      const hw::Pack<T, 4> xp = hw::load_pack<T, 4>(xr + s);
+      const hw::Pack<T, 4> dp = hw::load_pack<T, 4>(dyr + s);
+      const Quad pq0 = load_quad(gt + 0 * kComposeColumns + s);
+      const Quad pq1 = load_quad(gt + 1 * kComposeColumns + s);
+      const Quad dpq0 = load_quad(gt + 2 * kComposeColumns + s);
+      const Quad dpq1 = load_quad(gt + 3 * kComposeColumns + s);
       const float x0 = static_cast<float>(xp.v[0]), x1 = static_cast<float>(xp.v[1]);
+      const float x2 = static_cast<float>(xp.v[2]), x3 = static_cast<float>(xp.v[3]);
       const float d0 = static_cast<float>(dp.v[0]), d1 = static_cast<float>(dp.v[1]);
-      dg += x0 * d0 + x1 * d1;
-      dw1_0 += x0 * dpq0.v[0] + x1 * dpq0.v[1];
-      dw1_1 += x0 * dpq1.v[0] + x1 * dpq1.v[1];
-      dw2_0 += pq0.v[0] * d0 + pq0.v[1] * d1;
-      dw2_1 += pq1.v[0] * d0 + pq1.v[1] * d1;
+      const float d2 = static_cast<float>(dp.v[2]), d3 = static_cast<float>(dp.v[3]);
+      dg += x0 * d0 + x1 * d1 + x2 * d2 + x3 * d3;
+      dw1_0 += x0 * dpq0.x + x1 * dpq0.y + x2 * dpq0.z + x3 * dpq0.w;
+      dw1_1 += x0 * dpq1.x + x1 * dpq1.y + x2 * dpq1.z + x3 * dpq1.w;
+      dw2_0 += pq0.x * d0 + pq0.y * d1 + pq0.z * d2 + pq0.w * d3;
+      dw2_1 += pq1.x * d0 + pq1.y * d1 + pq1.z * d2 + pq1.w * d3;
     }
   }
   float v[kGradFields] = {dg, dw1_0, dw1_1, dw2_0, dw2_1};
