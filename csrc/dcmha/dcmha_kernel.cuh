@@ -66,18 +66,10 @@
 #include "../common/block_reduce.cuh"
 #include "../common/mma_primitives.cuh"
 #include "../common/simt_portability.h"
+#include "../common/unroll.h"
 #include "../common/vec.cuh"
 
 #include <cstdint>
-
-// Full unrolling of the constant-trip copy loops. The emulator's host compiler does not
-// know `#pragma unroll`; unrolled, each load of a stage has its own call site, which the
-// profile library needs to see the stage's loads as in flight together.
-#if HW_SIM
-#define COMPOSE_UNROLL _Pragma("GCC unroll 64")
-#else
-#define COMPOSE_UNROLL _Pragma("unroll")
-#endif
 
 namespace headwise {
 namespace dcmha {
@@ -159,7 +151,7 @@ __device__ __forceinline__ void stage_column_block(const float* src, int64_t str
   if (len % 4 == 0 && aligned) {
     constexpr int kPerThread = kComposeColumns * MaxLen / 4 / kComposeThreads;
     const int quads = len / 4;
-    COMPOSE_UNROLL
+    HW_UNROLL
     for (int k = 0; k < kPerThread; ++k) {
       const int i = threadIdx.x + k * kComposeThreads;
       if (i < kComposeColumns * quads) {
@@ -236,7 +228,7 @@ __device__ __forceinline__ void issue_tile(const ComposeParams& p, const void* b
     constexpr int kElems = 16 / static_cast<int>(sizeof(T));
     constexpr int kChunks = kComposeColumns / kElems;
     constexpr int kPerThread = kMaxHeads * kChunks / kComposeThreads;
-    COMPOSE_UNROLL
+    HW_UNROLL
     for (int k = 0; k < kPerThread; ++k) {
       const int i = threadIdx.x + k * kComposeThreads;
       if (i < p.H * kChunks) {
@@ -262,7 +254,7 @@ __device__ __forceinline__ void store_tile(const ComposeParams& p, void* base, i
     constexpr int kElems = 16 / static_cast<int>(sizeof(T));
     constexpr int kChunks = kComposeColumns / kElems;
     constexpr int kPerThread = kMaxHeads * kChunks / kComposeThreads;
-    COMPOSE_UNROLL
+    HW_UNROLL
     for (int k = 0; k < kPerThread; ++k) {
       const int i = threadIdx.x + k * kComposeThreads;
       if (i < p.H * kChunks) {
@@ -291,7 +283,7 @@ __device__ __forceinline__ void issue_query_weights(const ComposeParams& p, int 
   const float* g = p.g + g_off(p, b, t, p.cq);
   const int count = with_w1 ? 8 * H : 5 * H;
   constexpr int kPerThread = (8 * kMaxHeads + kComposeThreads - 1) / kComposeThreads;
-  COMPOSE_UNROLL
+  HW_UNROLL
   for (int k = 0; k < kPerThread; ++k) {
     const int i = threadIdx.x + k * kComposeThreads;
     if (i >= count) {
@@ -390,7 +382,7 @@ __device__ __forceinline__ void compose_row_fwd(const ComposeParams& p, T* xs, c
 template <typename T>
 __device__ __forceinline__ void issue_step(const ComposeParams& p, int b, int t0, int t_end, int s0,
                                            unsigned char* stage, int ntiles, bool query_weights) {
-  COMPOSE_UNROLL
+  HW_UNROLL
   for (int j = 0; j < kMaxStepRows; ++j) {
     if (j >= p.rows_per_step || t0 + j >= t_end) break;
     const StageRow<T> r = stage_row<T>(p, stage, j, ntiles);
@@ -674,7 +666,7 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd(const Compo
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const float* src = (k == 0 ? p.w1 : p.w2) + w_off(p, b, 0, p.ck);
-      COMPOSE_UNROLL
+      HW_UNROLL
       for (int q = 0; q < kR * kMaxHeads; ++q) {
         const int i = threadIdx.x + q * kComposeThreads;
         if (i < kComposeColumns * len) {
@@ -686,7 +678,7 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd(const Compo
       }
     }
     const float* g = p.g + g_off(p, b, 0, p.ck);
-    COMPOSE_UNROLL
+    HW_UNROLL
     for (int q = 0; q < kMaxHeads; ++q) {
       const int i = threadIdx.x + q * kComposeThreads;
       if (i < kComposeColumns * H) {
@@ -785,9 +777,9 @@ __global__ void __launch_bounds__(kReduceThreads) dcmha_compose_reduce_partials(
   float sum = 0.f;
   for (int k0 = 0; k0 < parts; k0 += kBatch) {
     float v[kBatch];
-    COMPOSE_UNROLL
+    HW_UNROLL
     for (int j = 0; j < kBatch; ++j) v[j] = k0 + j < parts ? partials[(k0 + j) * rows * len + i] : 0.f;
-    COMPOSE_UNROLL
+    HW_UNROLL
     for (int j = 0; j < kBatch; ++j)
       if (k0 + j < parts) sum += v[j];
   }

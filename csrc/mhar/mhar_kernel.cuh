@@ -49,19 +49,11 @@
 
 #include "../common/block_reduce.cuh"
 #include "../common/simt_portability.h"
+#include "../common/unroll.h"
 #include "../common/vec.cuh"
 
 #include <cmath>
 #include <cstdint>
-
-// Full unrolling of the constant-trip loops. The host compiler of the emulator does not
-// know `#pragma unroll`; unrolling there keeps one call site per load of a stage, which
-// the profile library needs to see a stage's loads as in flight together.
-#if HW_SIM
-#define MHAR_UNROLL _Pragma("GCC unroll 64")
-#else
-#define MHAR_UNROLL _Pragma("unroll")
-#endif
 
 namespace headwise {
 namespace mhar {
@@ -175,21 +167,21 @@ struct ThreadVectors {
 // Loads the thread's vectors of x (zeros for v >= nvec) as fp32.
 template <int ITEMS, int VEC, bool IN_SMEM>
 __device__ __forceinline__ void load_param(const float* x, int nvec, ThreadVectors<ITEMS, VEC, IN_SMEM>& out) {
-  MHAR_UNROLL
+  HW_UNROLL
   for (int i = 0; i < ITEMS; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
     float tmp[VEC];
-    MHAR_UNROLL
+    HW_UNROLL
     for (int k = 0; k < VEC; ++k) tmp[k] = 0.f;
     if (v < nvec) hw::load_as_float<VEC>(x + v * VEC, tmp);
-    MHAR_UNROLL
+    HW_UNROLL
     for (int k = 0; k < VEC; ++k) out.set(i, k, tmp[k]);
   }
 }
 
 template <typename T, int VEC>
 __device__ __forceinline__ void zero_pack(hw::Pack<T, VEC>& pk) {
-  MHAR_UNROLL
+  HW_UNROLL
   for (int k = 0; k < VEC; ++k) pk.v[k] = static_cast<T>(0.f);
 }
 
@@ -198,9 +190,9 @@ __device__ __forceinline__ void zero_pack(hw::Pack<T, VEC>& pk) {
 template <typename T, int VEC, int ITEMS, int ROWS>
 __device__ __forceinline__ void load_stage(const T* src, int64_t stride_n, int n0, int n_end, int nvec,
                                            hw::Pack<T, VEC> (&x)[ROWS][ITEMS]) {
-  MHAR_UNROLL
+  HW_UNROLL
   for (int r = 0; r < ROWS; ++r) {
-    MHAR_UNROLL
+    HW_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
       if (n0 + r < n_end && v < nvec) {
@@ -220,9 +212,9 @@ __device__ __forceinline__ void advance_stage(const T* src, int64_t stride_n, in
                                               hw::Pack<T, VEC> (&cur)[ROWS][ITEMS],
                                               const hw::Pack<T, VEC> (&nxt)[ROWS][ITEMS]) {
   if constexpr (PREFETCH) {
-    MHAR_UNROLL
+    HW_UNROLL
     for (int j = 0; j < ROWS; ++j) {
-      MHAR_UNROLL
+      HW_UNROLL
       for (int i = 0; i < ITEMS; ++i) cur[j][i] = nxt[j][i];
     }
   } else if (n0 + ROWS < n_end) {
@@ -241,14 +233,14 @@ class BlockSums {
     float* buf = scratch_ + (calls_++ & 1) * 32 * COUNT;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    MHAR_UNROLL
+    HW_UNROLL
     for (int c = 0; c < COUNT; ++c) {
       const float s = hw::warp_sum(v[c]);
       if (lane == 0) buf[c * 32 + warp] = s;
     }
     __syncthreads();
     const int nwarps = blockDim.x >> 5;
-    MHAR_UNROLL
+    HW_UNROLL
     for (int c = 0; c < COUNT; ++c) {
       float total = 0.f;
       for (int w = 0; w < nwarps; ++w) total += buf[c * 32 + w];
@@ -277,17 +269,17 @@ class HeadSums {
     const int tid = threadIdx.x;
     const int nthreads = blockDim.x;
     if (MODE == HeadReduce::kSegment) {
-      MHAR_UNROLL
+      HW_UNROLL
       for (int c = 0; c < COUNT; ++c) {
-        MHAR_UNROLL
+        HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) val[c][i] = hw::warp_segment_sum(val[c][i], kv_);
       }
     } else if (MODE == HeadReduce::kWarps) {
       float* part = scratch_ + (calls_++ & 1) * half_;
       const int nw = nvec_ >> 5;
-      MHAR_UNROLL
+      HW_UNROLL
       for (int c = 0; c < COUNT; ++c) {
-        MHAR_UNROLL
+        HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
           const int v = tid + i * nthreads;
           const float s = hw::warp_sum(val[c][i]);
@@ -296,12 +288,12 @@ class HeadSums {
       }
       __syncthreads();
       const int chunks = kv_ >> 5;
-      MHAR_UNROLL
+      HW_UNROLL
       for (int i = 0; i < ITEMS; ++i) {
         const int v = tid + i * nthreads;
         if (v >= nvec_) continue;
         const int c0 = (v / kv_) * chunks;
-        MHAR_UNROLL
+        HW_UNROLL
         for (int c = 0; c < COUNT; ++c) {
           float s = 0.f;
           for (int j = 0; j < chunks; ++j) s += part[c * nw + c0 + j];
@@ -310,10 +302,10 @@ class HeadSums {
       }
     } else {
       const int lane = tid & 31;
-      MHAR_UNROLL
+      HW_UNROLL
       for (int c = 0; c < COUNT; ++c) {
         float* part = scratch_ + (calls_++ & 1) * half_;
-        MHAR_UNROLL
+        HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
           const int v = tid + i * nthreads;
           if (v < nvec_) part[v] = val[c][i];
@@ -328,7 +320,7 @@ class HeadSums {
           if (lane == 0) part[h * kv_] = s;
         }
         __syncthreads();
-        MHAR_UNROLL
+        HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
           const int v = tid + i * nthreads;
           if (v < nvec_) val[c][i] = part[(v / kv_) * kv_];
@@ -385,11 +377,11 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
 
     ThreadVectors<ITEMS, VEC, kSlices> acc(slices + 2 * ITEMS * nthreads * VEC);
     float run_max[ITEMS], run_den[ITEMS];
-    MHAR_UNROLL
+    HW_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
       run_max[i] = -INFINITY;
       run_den[i] = 0.f;
-      MHAR_UNROLL
+      HW_UNROLL
       for (int k = 0; k < VEC; ++k) acc.set(i, k, 0.f);
     }
 
@@ -400,12 +392,12 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
       if (PREFETCH) load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, nvec, nxt);
 
       float r[ROWS];
-      MHAR_UNROLL
+      HW_UNROLL
       for (int j = 0; j < ROWS; ++j) {
         float ss = 0.f;
-        MHAR_UNROLL
+        HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
-          MHAR_UNROLL
+          HW_UNROLL
           for (int k = 0; k < VEC; ++k) {
             const float x = static_cast<float>(cur[j][i].v[k]);
             ss += x * x;
@@ -414,16 +406,16 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
         r[j] = ss;
       }
       block_sums(r);
-      MHAR_UNROLL
+      HW_UNROLL
       for (int j = 0; j < ROWS; ++j) r[j] = rsqrtf(r[j] * inv_d + p.route.eps);
 
       float logit[ROWS][ITEMS];
-      MHAR_UNROLL
+      HW_UNROLL
       for (int j = 0; j < ROWS; ++j) {
-        MHAR_UNROLL
+        HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
           float l = 0.f;
-          MHAR_UNROLL
+          HW_UNROLL
           for (int k = 0; k < VEC; ++k) {
             const float x = static_cast<float>(cur[j][i].v[k]);
             l += (hw::round_to<T>(x * r[j]) * g.get(i, k)) * q.get(i, k);
@@ -434,33 +426,33 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
       head_sums(logit);
 
       const int rows = num_src - n0 < ROWS ? num_src - n0 : ROWS;
-      MHAR_UNROLL
+      HW_UNROLL
       for (int i = 0; i < ITEMS; ++i) {
         const int v = tid + i * nthreads;
         if (v >= nvec) continue;
         float new_max = run_max[i];
-        MHAR_UNROLL
+        HW_UNROLL
         for (int j = 0; j < ROWS; ++j)
           if (j < rows) new_max = fmaxf(new_max, logit[j][i]);
         const float alpha = expf(run_max[i] - new_max);  // exp(-inf) = 0 on the first stage
         float prob[ROWS];
         float den = run_den[i] * alpha;
-        MHAR_UNROLL
+        HW_UNROLL
         for (int j = 0; j < ROWS; ++j) {
           prob[j] = j < rows ? expf(logit[j][i] - new_max) : 0.f;
           den += prob[j];
         }
-        MHAR_UNROLL
+        HW_UNROLL
         for (int k = 0; k < VEC; ++k) {
           float a = acc.get(i, k) * alpha;
-          MHAR_UNROLL
+          HW_UNROLL
           for (int j = 0; j < ROWS; ++j) a += prob[j] * static_cast<float>(cur[j][i].v[k]);
           acc.set(i, k, a);
         }
         run_max[i] = new_max;
         run_den[i] = den;
         if (v % kv == 0) {
-          MHAR_UNROLL
+          HW_UNROLL
           for (int j = 0; j < ROWS; ++j)
             if (j < rows) s_logit[(n0 + j) * heads + v / kv] = logit[j][i];
         }
@@ -473,18 +465,18 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
     const T* res = p.residual == nullptr
                        ? nullptr
                        : static_cast<const T*>(p.residual) + b * p.res_stride_b + t * p.res_stride_t;
-    MHAR_UNROLL
+    HW_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
       const int v = tid + i * nthreads;
       if (v >= nvec) continue;
       const float inv_den = 1.f / run_den[i];
       const float scale = gate * inv_den;
       float rv[VEC];
-      MHAR_UNROLL
+      HW_UNROLL
       for (int k = 0; k < VEC; ++k) rv[k] = 0.f;
       if (res != nullptr) hw::load_as_float<VEC>(res + v * VEC, rv);
       float y[VEC];
-      MHAR_UNROLL
+      HW_UNROLL
       for (int k = 0; k < VEC; ++k) y[k] = acc.get(i, k) * scale + rv[k];
       hw::store_from_float<VEC>(out + v * VEC, y);
       if (v % kv == 0) {
@@ -541,9 +533,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
     ThreadVectors<ITEMS, VEC, kSlices> q(slices), g(slices + ITEMS * nthreads * VEC);
     load_param(p.route.query, nvec, q);
     load_param(p.route.norm_weight, nvec, g);
-    MHAR_UNROLL
+    HW_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
-      MHAR_UNROLL
+      HW_UNROLL
       for (int k = 0; k < VEC; ++k) qg.set(i, k, q.get(i, k) * g.get(i, k));
     }
   }
@@ -557,9 +549,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
   int parity = 0;
   for (int64_t seg = blockIdx.x; seg < segments; seg += gridDim.x) {
     ThreadVectors<ITEMS, VEC, kSlices> z(slices + 2 * ITEMS * nthreads * VEC);
-    MHAR_UNROLL
+    HW_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
-      MHAR_UNROLL
+      HW_UNROLL
       for (int k = 0; k < VEC; ++k) z.set(i, k, 0.f);
     }
     float gate_sum = 0.f;  // this thread's share of sum_h S_h: the heads it forms S_h for
@@ -583,7 +575,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
         s_w[e] = p.weights[n * wstride_n + pos * heads + (e - n * heads)];
       }
       hw::Pack<T, VEC> dout[kSlices ? 1 : ITEMS];
-      MHAR_UNROLL
+      HW_UNROLL
       for (int i = 0; i < ITEMS; ++i) {
         const int v = tid + i * nthreads;
         hw::Pack<T, VEC> pk;
@@ -595,7 +587,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
           zero_pack(pk);
         }
         if (kSlices) {
-          MHAR_UNROLL
+          HW_UNROLL
           for (int k = 0; k < VEC; ++k) dout_slice.set(i, k, static_cast<float>(pk.v[k]));
         } else {
           dout[kSlices ? 0 : i] = pk;
@@ -613,9 +605,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
         if (PREFETCH) load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, nvec, nxt);
         const int rows = num_src - n0 < ROWS ? num_src - n0 : ROWS;
         if (p.stage_rows) {
-          MHAR_UNROLL
+          HW_UNROLL
           for (int j = 0; j < ROWS; ++j) {
-            MHAR_UNROLL
+            HW_UNROLL
             for (int i = 0; i < ITEMS; ++i) {
               const int v = tid + i * nthreads;
               if (j < rows && v < nvec)
@@ -625,35 +617,35 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
           }
         }
         // Value c of a row: 0 a = <dout, s_n>, 1 b = <qg, s_n>, 2 ss = <s_n, s_n> (per head).
-        MHAR_UNROLL
+        HW_UNROLL
         for (int pass = 0; pass < kPasses; ++pass) {
           float sums[kVals * ROWS][ITEMS];
-          MHAR_UNROLL
+          HW_UNROLL
           for (int j = 0; j < ROWS; ++j) {
-            MHAR_UNROLL
+            HW_UNROLL
             for (int i = 0; i < ITEMS; ++i) {
               float part[3] = {0.f, 0.f, 0.f};
-              MHAR_UNROLL
+              HW_UNROLL
               for (int k = 0; k < VEC; ++k) {
                 const float x = static_cast<float>(cur[j][i].v[k]);
                 part[0] += dout_at(i, k) * x;
                 part[1] += qg.get(i, k) * x;
                 part[2] += x * x;
               }
-              MHAR_UNROLL
+              HW_UNROLL
               for (int c = 0; c < kVals; ++c) sums[kVals * j + c][i] = part[pass * kVals + c];
             }
           }
           head_sums(sums);
-          MHAR_UNROLL
+          HW_UNROLL
           for (int i = 0; i < ITEMS; ++i) {
             const int v = tid + i * nthreads;
             if (v >= nvec || v % kv != 0) continue;
-            MHAR_UNROLL
+            HW_UNROLL
             for (int j = 0; j < ROWS; ++j) {
               if (j >= rows) continue;
               const int e = (n0 + j) * heads + v / kv;
-              MHAR_UNROLL
+              HW_UNROLL
               for (int c = 0; c < kVals; ++c) {
                 const int value = pass * kVals + c;
                 (value == 0 ? s_a : value == 1 ? s_b : s_ss)[e] = sums[kVals * j + c][i];
@@ -695,7 +687,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
         const float r = s_r[n];
         const float r3c = s_r3c[n];
         G* ds = static_cast<G*>(p.grad_sources) + (n * positions + pos) * p.route.d;
-        MHAR_UNROLL
+        HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
           const int v = tid + i * nthreads;
           if (v >= nvec) continue;
@@ -713,11 +705,11 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
           if (p.accumulate) {
             hw::load_as_float<VEC>(ds + v * VEC, prev);
           } else {
-            MHAR_UNROLL
+            HW_UNROLL
             for (int k = 0; k < VEC; ++k) prev[k] = 0.f;
           }
           float y[VEC];
-          MHAR_UNROLL
+          HW_UNROLL
           for (int k = 0; k < VEC; ++k) {
             const float x = static_cast<float>(xp.v[k]);
             y[k] = prev[k] + (wg * dout_at(i, k) + r * (dl * qg.get(i, k)) - r3c * x);
@@ -727,12 +719,12 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
         }
       }
     }
-    MHAR_UNROLL
+    HW_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
       const int v = tid + i * nthreads;
       if (v >= nvec) continue;
       float zi[VEC];
-      MHAR_UNROLL
+      HW_UNROLL
       for (int k = 0; k < VEC; ++k) zi[k] = z.get(i, k);
       hw::store_from_float<VEC>(p.z_partial + seg * p.route.d + v * VEC, zi);
     }
@@ -763,20 +755,20 @@ __global__ void __launch_bounds__(kReduceColumns * kReduceLanes) mhar_param_grad
   // kReduceUnroll independent running sums (rows lane + 8 (16 m + u) go to sum u), so
   // that a thread has 16 loads in flight; added in u order.
   float acc[kReduceUnroll];
-  MHAR_UNROLL
+  HW_UNROLL
   for (int u = 0; u < kReduceUnroll; ++u) acc[u] = 0.f;
   if (j < d) {
     int64_t r = lane;
     for (; r + (kReduceUnroll - 1) * kReduceLanes < rows; r += kReduceUnroll * kReduceLanes) {
-      MHAR_UNROLL
+      HW_UNROLL
       for (int u = 0; u < kReduceUnroll; ++u) acc[u] += z_partial[(r + u * kReduceLanes) * d + j];
     }
-    MHAR_UNROLL
+    HW_UNROLL
     for (int u = 0; u < kReduceUnroll - 1; ++u)
       if (r + u * kReduceLanes < rows) acc[u] += z_partial[(r + u * kReduceLanes) * d + j];
   }
   float s = 0.f;
-  MHAR_UNROLL
+  HW_UNROLL
   for (int u = 0; u < kReduceUnroll; ++u) s += acc[u];
   lane_sums[lane][col] = s;
   __syncthreads();

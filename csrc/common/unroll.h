@@ -1,0 +1,13 @@
+// HW_UNROLL: full unrolling of a constant-trip loop, in the CUDA build and in the emulator.
+// The emulator's host compiler does not know `#pragma unroll`; unrolled, each load of a
+// loop has its own call site, which the profile library needs to see those loads as in
+// flight together (a load site that repeats starts a new round of its latency model).
+#pragma once
+
+#include "simt_portability.h"
+
+#if HW_SIM
+#define HW_UNROLL _Pragma("GCC unroll 64")
+#else
+#define HW_UNROLL _Pragma("unroll")
+#endif
