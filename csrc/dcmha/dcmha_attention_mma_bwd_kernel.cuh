@@ -464,15 +464,9 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
   };
 
   float o[DTiles][4];
-#pragma unroll
-  for (int j = 0; j < DTiles; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+  zero_tile(o);
   float acc[2][6];  // per row: the slot's 5 grads, then D (Dq = false)
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int i = 0; i < 6; ++i) acc[h][i] = 0.f;
+  zero_tile(acc);
 
   constexpr unsigned kMask = Dq ? part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD) |
                                       part_bits(kPartDA) | part_bits(kPartDB)
@@ -597,15 +591,9 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_keys(const MmaAttn
   };
 
   float o[DTiles][4];
-#pragma unroll
-  for (int j = 0; j < DTiles; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+  zero_tile(o);
   float acc[2][5];  // per row: the grads of slot 1 (Dk) or slot 3
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int i = 0; i < 5; ++i) acc[h][i] = 0.f;
+  zero_tile(acc);
 
   constexpr unsigned kMask = Dk ? part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD) |
                                       part_bits(kPartDA) | part_bits(kPartDB)

@@ -195,6 +195,15 @@ __device__ __forceinline__ void qk_tile(float (&acc)[kKeyN8][4], const T* qs, co
     for (int e = 0; e < 4; ++e) acc[j][e] *= scale;
 }
 
+// Every element of a register tile to 0.
+template <int M, int N>
+__device__ __forceinline__ void zero_tile(float (&a)[M][N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) a[i][j] = 0.f;
+}
+
 // o[j] += A B for the warp's 16 rows: A = the warp's 16 x 32 accumulator fragment acc packed
 // to T (k = the tile's 32 columns, two k16 steps), B = smem rows [32][ld] (k = the row) read
 // by ldmatrix.trans; n8 tiles j < n8 (<= DTiles).
@@ -574,10 +583,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
   };
 
   float o[DvTiles][4];
-#pragma unroll
-  for (int j = 0; j < DvTiles; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+  zero_tile(o);
 
   issue(0);
   for (int i = 0; i < n_tiles; ++i) {
