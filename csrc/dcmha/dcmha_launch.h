@@ -93,6 +93,33 @@ inline bool aligned16_ptr(const void* ptr) { return reinterpret_cast<uintptr_t>(
 // causal or not: 0 (none) there, so the kernels' int arithmetic (s + W, t - W) cannot overflow.
 inline int64_t effective_window(int64_t window, int64_t T) { return window >= T ? 0 : window; }
 
+// The attention kernels' parameters of one call (contiguous q, k, v; fp32 weights), out
+// and stats left null: the forward entry and both backward paths start from these.
+inline AttnParams attention_params(const AttnShape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g, bool causal,
+                                   int64_t window, double scale) {
+  AttnParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.w1 = w1.data_ptr<float>();
+  p.w2 = w2.data_ptr<float>();
+  p.g = g.data_ptr<float>();
+  p.B = static_cast<int>(s.batch);
+  p.T = static_cast<int>(s.seq);
+  p.H = static_cast<int>(s.heads);
+  p.hg = static_cast<int>(s.heads / s.head_groups);
+  p.dh = static_cast<int>(s.head_dim);
+  p.dv = static_cast<int>(s.v_dim);
+  p.causal = causal ? 1 : 0;
+  p.window = static_cast<int>(effective_window(window, s.seq));
+  p.scale = static_cast<float>(scale);
+  return p;
+}
+
+// A head dim padded to the mma k of 16.
+inline int pad16(int64_t d) { return static_cast<int>((d + 15) / 16 * 16); }
+
 }  // namespace
 
 namespace {
@@ -458,25 +485,10 @@ std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q
   at::Tensor out = new_output({s.batch, s.heads, s.seq, s.v_dim}, q.options());
   at::Tensor stats = new_output({2, s.batch, s.heads, s.seq}, q.options().dtype(at::kFloat));
   if (s.batch * s.seq == 0) return {out, stats};
-  AttnParams p{};
-  p.q = qc.data_ptr();
-  p.k = kc.data_ptr();
-  p.v = vc.data_ptr();
-  p.w1 = w1f.data_ptr<float>();
-  p.w2 = w2f.data_ptr<float>();
-  p.g = gf.data_ptr<float>();
+  AttnParams p = attention_params(s, qc, kc, vc, w1f, w2f, gf, causal, window, scale);
   p.out = out.data_ptr();
   p.stats = stats.data_ptr<float>();
-  p.B = static_cast<int>(s.batch);
-  p.T = static_cast<int>(s.seq);
-  p.H = static_cast<int>(s.heads);
-  p.hg = static_cast<int>(s.heads / s.head_groups);
-  p.dh = static_cast<int>(s.head_dim);
-  p.dv = static_cast<int>(s.v_dim);
-  p.causal = causal ? 1 : 0;
-  p.window = static_cast<int>(effective_window(window, s.seq));
-  p.scale = static_cast<float>(scale);
-  const int dh_pad = static_cast<int>((s.head_dim + 15) / 16 * 16), dv_pad = static_cast<int>((s.v_dim + 15) / 16 * 16);
+  const int dh_pad = pad16(s.head_dim), dv_pad = pad16(s.v_dim);
   // bf16 / fp16 with dv <= 128 take the tensor-core kernels (dcmha_attention_mma_kernel.cuh)
   // where their shared memory fits the device (a head group's weights and statistics grow
   // with hg: H = 32 in one group needs more than the 99 KiB of sm_86/89/120) and their grids
@@ -534,46 +546,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor dw1 = new_output(w1f.sizes(), w1f.options());  // every element written by the kernels
   at::Tensor dw2 = new_output(w2f.sizes(), w2f.options());
   at::Tensor dg = new_output(gf.sizes(), gf.options());
-  const int dh_pad = static_cast<int>((s.head_dim + 15) / 16 * 16), dv_pad = static_cast<int>((s.v_dim + 15) / 16 * 16);
-  AttnParams shape{};
-  shape.B = static_cast<int>(s.batch);
-  shape.T = static_cast<int>(s.seq);
-  shape.H = static_cast<int>(s.heads);
-  shape.hg = static_cast<int>(s.heads / s.head_groups);
-  if (s.batch * s.seq > 0 && mma_backward_fits(shape, q.scalar_type(), dh_pad, dv_pad)) {
+  const int dh_pad = pad16(s.head_dim), dv_pad = pad16(s.v_dim);
+  AttnParams f = attention_params(s, qc, kc, vc, w1f, w2f, gf, causal, window, scale);
+  f.stats = st.data_ptr<float>();
+  if (s.batch * s.seq > 0 && mma_backward_fits(f, q.scalar_type(), dh_pad, dv_pad)) {
     // bf16 / fp16 on the tensor-core kernels; the key-slot grads are sums over chunks.
-    AttnParams f = shape;
-    f.q = qc.data_ptr();
-    f.k = kc.data_ptr();
-    f.v = vc.data_ptr();
-    f.w1 = w1f.data_ptr<float>();
-    f.w2 = w2f.data_ptr<float>();
-    f.g = gf.data_ptr<float>();
-    f.stats = st.data_ptr<float>();
-    f.dh = static_cast<int>(s.head_dim);
-    f.dv = static_cast<int>(s.v_dim);
-    f.causal = causal ? 1 : 0;
-    f.window = static_cast<int>(effective_window(window, s.seq));
-    f.scale = static_cast<float>(scale);
     launch_mma_attention_backward(f, qc, kc, vc, dout, st, dq, dk, dv, dw1, dw2, dg, dh_pad, dv_pad);
   } else if (s.batch * s.seq > 0) {
     at::Tensor D = new_output({s.batch, s.heads, s.seq}, w1f.options());  // rowsum(P dP) for the key kernel
     AttnBwdParams p{};
-    p.f.q = qc.data_ptr();
-    p.f.k = kc.data_ptr();
-    p.f.v = vc.data_ptr();
-    p.f.w1 = w1f.data_ptr<float>();
-    p.f.w2 = w2f.data_ptr<float>();
-    p.f.g = gf.data_ptr<float>();
-    p.f.B = static_cast<int>(s.batch);
-    p.f.T = static_cast<int>(s.seq);
-    p.f.H = static_cast<int>(s.heads);
-    p.f.hg = static_cast<int>(s.heads / s.head_groups);
-    p.f.dh = static_cast<int>(s.head_dim);
-    p.f.dv = static_cast<int>(s.v_dim);
-    p.f.causal = causal ? 1 : 0;
-    p.f.window = static_cast<int>(effective_window(window, s.seq));
-    p.f.scale = static_cast<float>(scale);
+    p.f = f;
     p.stats = st.data_ptr<float>();
     p.dout = dout.data_ptr();
     p.D = D.data_ptr<float>();
