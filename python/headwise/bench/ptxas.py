@@ -122,9 +122,14 @@ def _write(arch: str, body: str, command: str, directory: str) -> str:
     return path
 
 
-def _nvcc_report(archs: list[str], families: list[str] | None = None) -> str:
-    """ptxas -v output of every csrc/*/*_cuda.cu compiled for `archs` in one nvcc call per
-    file, with setup.py's flags for the CUDA kernels (warnings as errors included)."""
+def cuda_sources() -> list[str]:
+    """Every csrc/*/*_cuda.cu, sorted."""
+    return sorted(glob.glob(os.path.join(REPO, "csrc", "*", "*_cuda.cu")))
+
+
+def nvcc_command(archs: list[str], output: list[str]) -> tuple[str, list[str]]:
+    """nvcc and setup.py's flags for the CUDA kernels (warnings as errors included), for
+    `archs`, with `output` (e.g. ["-c", "-o", os.devnull]) and the include paths."""
     import sysconfig
 
     from torch.utils.cpp_extension import include_paths
@@ -132,18 +137,25 @@ def _nvcc_report(archs: list[str], families: list[str] | None = None) -> str:
     cuda_home = os.environ.get("CUDA_HOME")
     nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else shutil.which("nvcc")
     if not nvcc or not os.path.exists(nvcc):
-        sys.exit("headwise.bench.ptxas: nvcc not found (put it on PATH or set CUDA_HOME)")
+        sys.exit("headwise.bench: nvcc not found (put it on PATH or set CUDA_HOME)")
     cuda_home = cuda_home or os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
     flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-Werror=all-warnings",
-             "-Xcompiler=-Wall,-Wextra,-Werror", "-Xptxas=-v", "-c", "-o", os.devnull]
+             "-Xcompiler=-Wall,-Wextra,-Werror", *output]
     flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     includes = include_paths() + [sysconfig.get_paths()["include"]]
     if not os.path.exists(os.path.join(cuda_home, "include", "cublas_v2.h")):
         # As setup.py does: ATen's CUDA headers need cuBLAS headers, from torch's nvidia-* wheels.
         includes += sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "*", "include")))
     flags += [f for p in includes for f in ("-isystem", p)]
+    return nvcc, flags
+
+
+def _nvcc_report(archs: list[str], families: list[str] | None = None) -> str:
+    """ptxas -v output of every csrc/*/*_cuda.cu compiled for `archs` in one nvcc call per
+    file, with setup.py's flags for the CUDA kernels (warnings as errors included)."""
+    nvcc, flags = nvcc_command(archs, ["-Xptxas=-v", "-c", "-o", os.devnull])
     text = ""
-    for source in sorted(glob.glob(os.path.join(REPO, "csrc", "*", "*_cuda.cu"))):
+    for source in cuda_sources():
         if families and os.path.basename(os.path.dirname(source)) not in families:
             continue
         print(f"nvcc {' '.join('sm_' + a for a in archs)} {os.path.relpath(source, REPO)}", flush=True)

@@ -1,0 +1,289 @@
+"""The instruction mix of the CUDA kernels' hot loops, from the SASS that ptxas emits:
+how many instructions a warp issues per mma.sync (HMMA), per global load, per barrier.
+
+    python -m headwise.bench.sass --family merge [--arch 90] [--kernel REGEX] [--cubin F]
+        compiles csrc/merge/merge_cuda.cu to a cubin for sm_<arch> with setup.py's flags
+        (the same nvcc command as headwise.bench.ptxas), disassembles it with cuobjdump
+        (CUDA's, or the `nvidia-cuda-cuobjdump` wheel's) and prints, per kernel whose
+        demangled name matches REGEX, each loop (a backward branch and the addresses it
+        spans) with its instruction classes.
+
+Why: the emulator's H200 estimate (headwise.bench.sim_profile) has no instruction-issue
+term, and the first H200 run showed that a kernel can be issue-bound where every memory
+and tensor term says otherwise (the merge's tensor-core forward: 76 TFLOP/s against the
+sample GEMM's 343, its K loop rescanning the gates). A scheduler issues one warp
+instruction per clock, and on sm_90 mma.sync sustains about one m16n8k16 HMMA per
+scheduler every ~6 clocks (65% of the dense bf16 peak, the estimate's mma ceiling), so a
+loop with more than ~6 instructions per HMMA cannot keep the tensor cores busy whatever
+its memory does. `issue_per_hmma` is that number for each loop; `issue_bound_share` is
+the fraction of the mma ceiling a loop can reach by issue alone (1.0 when it is not the
+limit).
+
+This is a static count: one pass through each loop body, predicated-off instructions
+included, no latency or dual-issue model. Loops are found from their backward branches
+(`BRA` to a lower address), so a loop the compiler fully unrolled is part of its parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+from . import ptxas
+from .sim_profile import H200
+
+# Clocks per HMMA.16816 per scheduler at the estimate's mma ceiling: an SM's 4 schedulers
+# together complete mma_flops_per_s / (sms x clock) FLOPs per clock.
+MMA_CLOCKS_PER_HMMA = 4 * H200.flops_per_mma / (H200.mma_flops_per_s / (H200.sms * H200.clock_hz))
+
+# Instruction classes counted per loop: (name, regex on the opcode with its modifiers).
+CLASSES = [
+    ("hmma", r"^HMMA\."),
+    ("ldsm", r"^LDSM"),
+    ("ldgsts", r"^LDGSTS"),
+    ("ldg", r"^LDG(?!STS|DEPBAR)"),
+    ("stg", r"^(STG|RED|ATOM)"),
+    ("lds", r"^LDS(?!M)"),
+    ("sts", r"^STS"),
+    ("bar", r"^(BAR|DEPBAR|LDGDEPBAR|WARPSYNC)"),
+    ("shfl", r"^SHFL"),
+    ("branch", r"^(BRA|BRX|JMP|EXIT|RET|CALL)"),
+]
+
+_FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+# BRA [.modifiers] [!]P<n>, target: the optional predicate operand makes it conditional too.
+_BRANCH_TARGET = re.compile(r"\bBRA\b(?:\.\w+)*\s+(!?U?P\w+,\s*)?(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
+
+
+@dataclasses.dataclass
+class Loop:
+    start: int          # address of the loop head (the backward branch's target)
+    end: int            # address of the backward branch
+    instructions: int   # every instruction of the body, cold branches included
+    counts: dict
+    path: int = 0       # instructions of one steady-state iteration (hot_path)
+    path_counts: dict = dataclasses.field(default_factory=dict)  # the classes on that path
+
+    @property
+    def issue_per_hmma(self) -> float | None:
+        """Instructions per HMMA of one steady-state iteration (hot_path: a branch taken
+        rarely, such as a head change every few slices, is off it)."""
+        return self.path / self.path_counts["hmma"] if self.path_counts.get("hmma") else None
+
+    @property
+    def issue_bound_share(self) -> float | None:
+        """Fraction of the mma ceiling this loop's issue allows (1.0: issue is not the limit)."""
+        per = self.issue_per_hmma
+        return None if per is None else min(1.0, MMA_CLOCKS_PER_HMMA / per)
+
+
+@dataclasses.dataclass
+class Function:
+    name: str            # demangled
+    instructions: list   # (address, text)
+    loops: list
+
+    def hot_loop(self, cls: str = "hmma") -> Loop | None:
+        """The innermost loop with the most instructions of class `cls` (the smallest span
+        among those with the maximal count)."""
+        cands = [lp for lp in self.loops if lp.counts.get(cls)]
+        if not cands:
+            return None
+        top = max(lp.counts[cls] for lp in cands)
+        return min((lp for lp in cands if lp.counts[cls] == top), key=lambda lp: lp.end - lp.start)
+
+
+def classify(text: str) -> str | None:
+    op = text.split()[0] if not text.startswith("@") else text.split()[1]
+    for name, pat in CLASSES:
+        if re.match(pat, op):
+            return name
+    return None
+
+
+def _is_branch(text: str) -> tuple[bool, bool, int | None]:
+    """(is a branch, is predicated, absolute target or None)."""
+    parts = text.split()
+    pred = parts[0].startswith("@")
+    op = parts[1] if pred else parts[0]
+    if not op.startswith("BRA"):
+        return False, pred, None
+    m = _BRANCH_TARGET.search(text)
+    conditional = (pred and not parts[0].startswith("@PT")) or bool(m and m.group(1) and "PT" not in m.group(1))
+    return True, conditional, int(m.group(2), 16) if m and m.group(2) else None
+
+
+# Instruction classes the steady state of a K loop issues every iteration: the hot path
+# goes through every one the body has (the operand copies sit under `if (kt < k_tiles)`,
+# which only the pipeline's last iterations skip).
+STEADY = ("ldgsts", "sts")
+
+
+def hot_path(body: list) -> list:
+    """The instructions of one steady-state iteration of a loop body (address order, the
+    head first, the backward branch last): the shortest path from the head to the back
+    branch among those through the most STEADY instructions (the copies), so a branch
+    taken rarely (a head change every few slices, an inner scan over the gates) is off
+    it. Forward branches inside the body may be taken or not when predicated, always when
+    not; an inner loop's backward branch is not taken (its body counts once)."""
+    index = {a: i for i, (a, _) in enumerate(body)}
+    inf = float("inf")
+    cost = [1 - 10_000 * (classify(t) in STEADY) for _, t in body]
+    dist = [inf] * len(body)
+    prev = [-1] * len(body)
+    dist[0] = cost[0]
+    for i, (addr, text) in enumerate(body):
+        if dist[i] == inf or i == len(body) - 1:
+            continue
+        branch, pred, target = _is_branch(text)
+        succ = []
+        if branch and target is not None and target > addr and target in index:
+            succ.append(index[target])
+            if pred:
+                succ.append(i + 1)
+        elif not (branch and not pred) and not re.match(r"^(EXIT|RET)", text):
+            succ.append(i + 1)  # falls through (a predicated EXIT may too; an unpredicated one ends the path)
+        for j in succ:
+            if dist[i] + cost[j] < dist[j]:
+                dist[j], prev[j] = dist[i] + cost[j], i
+    out, i = [], len(body) - 1
+    if dist[i] == inf:
+        return body
+    while i >= 0:
+        out.append(body[i])
+        i = prev[i]
+    return out[::-1]
+
+
+def count(instrs: list) -> dict:
+    out = {name: 0 for name, _ in CLASSES}
+    for _, text in instrs:
+        c = classify(text)
+        if c:
+            out[c] += 1
+    return out
+
+
+def parse(sass: str) -> list[Function]:
+    """Functions of `cuobjdump -sass` output with their loops."""
+    funcs: list[tuple[str, list]] = []
+    for line in sass.splitlines():
+        m = _FUNCTION.match(line)
+        if m:
+            funcs.append((m.group(1), []))
+            continue
+        m = _INSTR.match(line)
+        if m and funcs:
+            funcs[-1][1].append((int(m.group(1), 16), m.group(2)))
+    names = _demangle([f for f, _ in funcs])
+    out = []
+    for (mangled, instrs), name in zip(funcs, names):
+        loops = []
+        for addr, text in instrs:
+            m = _BRANCH_TARGET.search(text)
+            if not m or m.group(2) is None:
+                continue
+            target = int(m.group(2), 16)
+            if target <= addr:
+                body = [(a, t) for a, t in instrs if target <= a <= addr]
+                path = hot_path(body)
+                loops.append(Loop(target, addr, len(body), count(body), len(path), count(path)))
+        out.append(Function(name, instrs, loops))
+    return out
+
+
+def _demangle(names: list[str]) -> list[str]:
+    cxxfilt = shutil.which("c++filt")
+    if not cxxfilt or not names:
+        return names
+    run = subprocess.run([cxxfilt], input="\n".join(names) + "\n", capture_output=True, text=True, check=True)
+    return run.stdout.splitlines()
+
+
+def find_cuobjdump() -> str:
+    """cuobjdump from CUDA_HOME / PATH, else from the nvidia-cuda-cuobjdump wheel."""
+    cands = []
+    if os.environ.get("CUDA_HOME"):
+        cands.append(os.path.join(os.environ["CUDA_HOME"], "bin", "cuobjdump"))
+    if shutil.which("cuobjdump"):
+        cands.append(shutil.which("cuobjdump"))
+    purelib = sysconfig.get_paths()["purelib"]
+    cands += [os.path.join(purelib, "nvidia", v, "bin", "cuobjdump") for v in ("cu13", "cuda_cuobjdump", "cu12")]
+    for c in cands:
+        if os.path.exists(c):
+            return c
+    sys.exit("headwise.bench.sass: cuobjdump not found (CUDA's bin, or `pip install nvidia-cuda-cuobjdump`)")
+
+
+def compile_cubin(family: str, arch: str, out: str) -> None:
+    """csrc/<family>/<family>_cuda.cu -> cubin for sm_<arch>, with headwise.bench.ptxas's flags."""
+    sources = [s for s in ptxas.cuda_sources() if os.path.basename(os.path.dirname(s)) == family]
+    if len(sources) != 1:
+        sys.exit(f"headwise.bench.sass: expected one csrc/{family}/*_cuda.cu, found {sources}")
+    nvcc, flags = ptxas.nvcc_command([arch], ["-cubin", "-o", out])
+    print(f"nvcc sm_{arch} -cubin {os.path.relpath(sources[0], ptxas.REPO)}", flush=True)
+    run = subprocess.run([nvcc, *flags, sources[0]], capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"headwise.bench.sass: nvcc failed:\n{run.stderr[-4000:]}")
+
+
+def disassemble(cubin: str) -> list[Function]:
+    run = subprocess.run([find_cuobjdump(), "-sass", cubin], capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"headwise.bench.sass: cuobjdump failed:\n{run.stderr[-2000:]}")
+    return parse(run.stdout)
+
+
+def report(funcs: list[Function], kernel: str | None, all_loops: bool = False) -> str:
+    pat = re.compile(kernel) if kernel else None
+    cols = [name for name, _ in CLASSES if name != "branch"]
+    lines = []
+    for f in funcs:
+        if pat and not pat.search(f.name):
+            continue
+        lines.append(f"{f.name[:200]}\n  {len(f.instructions)} instructions, {len(f.loops)} loops")
+        loops = f.loops if all_loops else [lp for lp in (f.hot_loop("hmma"), f.hot_loop("ldg"),
+                                                          f.hot_loop("ldgsts")) if lp]
+        seen = set()
+        for lp in sorted(loops, key=lambda lp: lp.start):
+            if (lp.start, lp.end) in seen:
+                continue
+            seen.add((lp.start, lp.end))
+            mix = " ".join(f"{c}={lp.path_counts[c]}" for c in cols if lp.path_counts[c])
+            per = lp.issue_per_hmma
+            tail = f"  issue/hmma={per:.2f} (share of mma ceiling by issue: {lp.issue_bound_share:.2f})" if per else ""
+            lines.append(f"  loop [{lp.start:#x}, {lp.end:#x}] {lp.instructions} instr, steady iteration "
+                         f"{lp.path}: {mix}{tail}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m headwise.bench.sass", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", help="csrc/FAMILY/*_cuda.cu (merge, dcmha, mhar, qkv, gemm)")
+    p.add_argument("--cubin", help="an existing cubin instead of compiling a family")
+    p.add_argument("--arch", default="90")
+    p.add_argument("--kernel", help="regex on the demangled kernel name")
+    p.add_argument("--all-loops", action="store_true", help="every loop, not only the hot ones")
+    p.add_argument("--keep", metavar="CUBIN", help="keep the compiled cubin here")
+    args = p.parse_args(argv)
+    if not (args.family or args.cubin):
+        p.error("give --family or --cubin")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = args.cubin or args.keep or os.path.join(tmp, f"{args.family}_sm{args.arch}.cubin")
+        if not args.cubin:
+            compile_cubin(args.family, args.arch, cubin)
+        print(report(disassemble(cubin), args.kernel, args.all_loops))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
