@@ -12,6 +12,7 @@
 //   hw::cp_async_ca<Bytes>(dst, src, src_bytes)   cp.async.ca.shared.global, Bytes = 4, 8, 16
 //   hw::cp_async_cg16(dst, src, src_bytes)        cp.async.cg.shared.global, 16 bytes
 //       copies src_bytes (<= the copy size) and zero-fills the rest of the copy
+//   hw::cp_async_cg16_full(dst, src)              the same for a whole chunk (no size operand)
 //   hw::cp_async_commit()              cp.async.commit_group
 //   hw::cp_async_wait<N>()             cp.async.wait_group N (all but the N newest groups landed)
 //   hw::cp_async_wait_all()            cp.async.wait_all
@@ -125,6 +126,20 @@ __device__ __forceinline__ void cp_async_cg16(void* smem_dst, const void* gmem_s
   (void)smem_dst;
   (void)gmem_src;
   (void)src_bytes;
+  __trap();
+#endif
+}
+
+// cp.async.cg of a whole 16-byte chunk (no source size operand: nothing to zero-fill).
+__device__ __forceinline__ void cp_async_cg16_full(void* smem_dst, const void* gmem_src) {
+#if HW_SIM
+  hw_sim::prim::cp_async(smem_dst, gmem_src, 16, 16u, true);
+#elif HW_PRIM_PTX
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(smem_dst)), "l"(gmem_src)
+               : "memory");
+#else
+  (void)smem_dst;
+  (void)gmem_src;
   __trap();
 #endif
 }

@@ -122,6 +122,55 @@ __device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* src, int
   }
 }
 
+// One thread's share of the copies of a plain slice (rows r < kBM of kChunks 16-byte
+// chunks, element (r, k) at src[r * ld + k]): chunk c = tid % kChunks of rows r = tid /
+// kChunks and r + 64 (kBM * kChunks / kThreads = 2 chunks a thread). Everything that does
+// not depend on the slice (the row pointers, the swizzled shared offset, the row bounds)
+// is formed once per kernel, so a slice costs two pointer adds, the k bound and the copies:
+// the K loops are issue-bound otherwise (python -m headwise.bench.sass counts the SASS).
+// A whole slice with 16-byte copies (every row in range, k_left >= kBK: the same for the
+// whole CTA) takes plain cp.async without bounds or zero fill; the narrower copy widths
+// keep the bounded copies only (a second path there costs registers, and they are the
+// misaligned fallbacks).
+// Row r + 64 has the swizzle phase of row r ((r >> 1) & 3), so its chunk is 64 rows on.
+template <typename T, int CopyBytes>
+struct PlainSliceCopy {
+  static_assert(kBM * kChunks == 2 * kThreads, "two chunks a thread, rows r and r + kBM / 2");
+  static constexpr int kHalfRows = kBM / 2;
+  const T* row0;    // src + r * ld + c * E
+  int64_t step;     // kHalfRows * ld
+  int smem;         // swizzle(r, c)
+  int c_elems;      // c * E
+  bool ok0, ok1;    // rows r, r + 64 below rows_valid
+  bool all_rows;    // every row of the slice below rows_valid (the same for the whole CTA)
+
+  __device__ __forceinline__ PlainSliceCopy(const T* src, int64_t ld, int64_t rows_valid) {
+    const int r = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
+    c_elems = c * kChunkElems<T>;
+    row0 = src + r * ld + c_elems;
+    step = kHalfRows * ld;
+    smem = swizzle(r, c);
+    ok0 = r < rows_valid;
+    ok1 = r + kHalfRows < rows_valid;
+    all_rows = rows_valid >= kBM;
+  }
+  // The slice whose element (r, 0) is at src[r * ld + offset], with k_left elements of k
+  // left from it (the rest zero-filled); fallback: a readable address.
+  __device__ __forceinline__ void operator()(unsigned char* tile, int64_t offset, int k_left,
+                                             const T* fallback) const {
+    constexpr int E = kChunkElems<T>;
+    if (CopyBytes == 16 && all_rows && k_left >= kBK<T>) {  // a whole slice (uniform over the CTA)
+      hw::cp_async_cg16_full(tile + smem, row0 + offset);
+      hw::cp_async_cg16_full(tile + smem + kHalfRows * kRowBytes, row0 + step + offset);
+      return;
+    }
+    const int left = k_left - c_elems;
+    const int valid = left <= 0 ? 0 : (left >= E ? E : left);
+    copy_chunk<T, CopyBytes>(tile + smem, row0 + offset, ok0 ? valid : 0, fallback);
+    copy_chunk<T, CopyBytes>(tile + smem + kHalfRows * kRowBytes, row0 + step + offset, ok1 ? valid : 0, fallback);
+  }
+};
+
 struct TcFwdParams {
   const void* z;
   int64_t z_sb, z_sh, z_sq;
@@ -399,8 +448,13 @@ inline size_t fwd_smem_bytes(int64_t heads) {
 // A slices of the first pseudo-head already in shared memory (zsq).
 // Budget at the target shape (ESTIMATE): 2 * B Q H Dv * 2 Dv = 34 GFLOP (6% of the
 // merge's), Z read once more (134 MB), [B, Q, H] floats written.
+// Two CTAs per SM (128 registers a thread) for the 16-byte copies; the narrower copy
+// widths (misaligned fallbacks) would spill under that cap on sm_90 and get ptxas's choice.
+template <int CopyBytes>
+constexpr int kFwdMinCtas = CopyBytes == 16 ? 2 : 1;
+
 template <typename T, int CopyBytes, bool Stats = false>
-__global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams p) {
+__global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_fwd_tc_kernel(TcFwdParams p) {
   constexpr int E = kChunkElems<T>;
   constexpr int BK = kBK<T>;
   unsigned char* smem = hw::dynamic_shared_memory();
@@ -429,37 +483,30 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
   const T* z = static_cast<const T*>(p.z) + b * p.z_sb + q0 * p.z_sq + hs * p.stats_z_sh;
   const T* w = static_cast<const T*>(p.w) + n0 * p.ldw + hs * p.stats_w_sh;
   const int64_t rows_b = p.d - n0 < kBN ? p.d - n0 : kBN;
-  const int64_t slices = (p.dv + BK - 1) / BK;  // k slices per head
+  const int slices = static_cast<int>((p.dv + BK - 1) / BK);  // k slices per head
 
   // The open heads of row b in ascending |gate| order, once per CTA.
   int* order = reinterpret_cast<int*>(smem + kSmemBytes);
-  const int64_t open = rank_open_heads([&](int64_t h) { return p.gate.at(b, h); }, p.heads, order);
-  const int64_t k_tiles = open * slices;
+  const int open = static_cast<int>(rank_open_heads([&](int64_t h) { return p.gate.at(b, h); }, p.heads, order));
+  const int k_tiles = open * slices;
   const float s = p.gate.scale(b);
   __syncthreads();
 
-  // The copy cursor: head and slice of the next slice to issue.
-  int64_t issue_rank = 0, issue_slice = 0;
-  auto issue = [&](int64_t kt) {
+  // The copy cursor: head and slice of the next slice to issue, and its ring stage.
+  const PlainSliceCopy<T, CopyBytes> copy_a(z, p.z_sq, rows_a), copy_b(w, p.ldw, rows_b);
+  const int dv = static_cast<int>(p.dv);
+  int issue_rank = 0, issue_slice = 0, issue_stage = 0;
+  auto issue = [&](int kt) {
     if (kt < k_tiles) {
       const int64_t issue_h = order[issue_rank];
-      const int st = static_cast<int>(kt % kStages);
-      const int64_t k = issue_slice * BK;
-      const T* za = z + issue_h * p.z_sh + k;
-      const T* wb = w + issue_h * p.dv + k;
-#pragma unroll
-      for (int i = 0; i < kBM * kChunks / kThreads; ++i) {
-        const int id = threadIdx.x + i * kThreads;
-        const int r = id / kChunks, c = id % kChunks;
-        const int64_t left = p.dv - k - c * E;
-        const int valid_k = left <= 0 ? 0 : (left >= E ? E : static_cast<int>(left));
-        copy_chunk<T, CopyBytes>(a_tile(st) + swizzle(r, c), za + r * p.z_sq + c * E, r < rows_a ? valid_k : 0, z);
-        copy_chunk<T, CopyBytes>(b_tile(st) + swizzle(r, c), wb + r * p.ldw + c * E, r < rows_b ? valid_k : 0, w);
-      }
+      const int k = issue_slice * BK;
+      copy_a(a_tile(issue_stage), issue_h * p.z_sh + k, dv - k, z);
+      copy_b(b_tile(issue_stage), issue_h * p.dv + k, dv - k, w);
       if (++issue_slice == slices) {
         issue_slice = 0;
         ++issue_rank;
       }
+      issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
     }
     hw::cp_async_commit();
   };
@@ -481,13 +528,13 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
 
   // The compute cursor: alpha of the head being accumulated (acc holds the sum scaled
   // by 1 / alpha_cur).
-  int64_t comp_rank = -1, comp_slice = slices - 1;
+  int comp_rank = -1, comp_slice = slices - 1, comp_stage = 0;
   float alpha_cur = 1.f;
   // Stats: this thread's share of row zrow's sum of squares of Z (2 of its 4 chunks).
   static_assert(!Stats || (kThreads == 2 * kBM && kChunks == 4), "two threads per row, two chunks each");
   const int zrow = threadIdx.x >> 1, zchunk = (threadIdx.x & 1) * 2;
   float zss = 0.f;
-  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+  for (int kt = 0; kt < k_tiles; ++kt) {
     if (++comp_slice == slices) {  // the next open head
       comp_slice = 0;
       switch_alpha(acc, alpha_cur, s * p.gate.at(b, order[++comp_rank]), kt == 0);
@@ -495,8 +542,9 @@ __global__ void __launch_bounds__(kThreads) head_merge_fwd_tc_kernel(TcFwdParams
     hw::cp_async_wait<kStages - 2>();
     __syncthreads();
     issue(kt + kStages - 1);
-    const unsigned char* at = a_tile(static_cast<int>(kt % kStages));
-    const unsigned char* bt = b_tile(static_cast<int>(kt % kStages));
+    const unsigned char* at = a_tile(comp_stage);
+    const unsigned char* bt = b_tile(comp_stage);
+    comp_stage = comp_stage == kStages - 1 ? 0 : comp_stage + 1;
     if constexpr (Stats) {
       if (tile_n == 0 && kt < slices) {  // the first pseudo-head's slices are Z_hs itself
 #pragma unroll 1  // rolled: unrolled, the 2-byte-copy variant spills 8 bytes on sm_80
@@ -605,36 +653,47 @@ static_assert(kTransK * kTransRowBytes == kTileBytes, "a transposed slice has th
 
 __device__ __forceinline__ int swizzle_t(int row, int chunk) { return row * kTransRowBytes + ((chunk ^ (row & 7)) * 16); }
 
-// Copies one transposed slice: rows k0 + r (r < kTransK) of a row-major operand src
-// (element (k, n) at src[k * ld + n]), columns n0 .. n0 + 127; elements with k >= k_end or
-// n >= n_end are zero-filled.
+// One thread's share of the copies of a transposed slice (kTransK rows of k, 16 chunks of
+// 8 elements of n each: element (k, n) at src[k * ld + n], columns n < n_cols): chunk c =
+// tid % 16 of k rows r = tid / 16 and r + 16. As PlainSliceCopy, the per-kernel part is
+// formed once; a slice costs two pointer adds, the k bound and the copies. Row r + 16 has
+// the swizzle phase of row r (r & 7).
 template <typename T, int CopyBytes>
-__device__ __forceinline__ void load_trans_slice(unsigned char* tile, const T* src, int64_t ld, int64_t k_rows,
-                                                 int64_t n_cols, const T* fallback) {
-#pragma unroll
-  for (int i = 0; i < kTransK * 16 / kThreads; ++i) {
-    const int id = threadIdx.x + i * kThreads;
-    const int r = id / 16, c = id % 16;
-    const int64_t left = n_cols - c * 8;
-    const int valid = r >= k_rows || left <= 0 ? 0 : (left >= 8 ? 8 : static_cast<int>(left));
-    copy_chunk<T, CopyBytes>(tile + swizzle_t(r, c), src + r * ld + c * 8, valid, fallback);
-  }
-}
+struct TransSliceCopy {
+  static constexpr int kRowChunks = kTransRowBytes / 16;
+  static constexpr int kHalfRows = kTransK / 2;
+  static_assert(kTransK * kRowChunks == 2 * kThreads, "two chunks a thread, k rows r and r + 16");
+  const T* row0;    // src + r * ld + c * 8
+  int64_t step;     // kHalfRows * ld
+  int smem;         // swizzle_t(r, c)
+  int r;
+  int valid_n;      // elements of chunk c below n_cols (0..8)
+  bool all_cols;    // every column of the slice below n_cols (the same for the whole CTA)
 
-// Copies one plain slice: rows r < kBM of src (element (r, k) at src[r * ld + k]), k in
-// [0, 32) chunks; rows >= rows_valid or k >= k_valid zero-filled.
-template <typename T, int CopyBytes>
-__device__ __forceinline__ void load_plain_slice(unsigned char* tile, const T* src, int64_t ld, int64_t rows_valid,
-                                                 int64_t k_valid, const T* fallback) {
-#pragma unroll
-  for (int i = 0; i < kBM * kChunks / kThreads; ++i) {
-    const int id = threadIdx.x + i * kThreads;
-    const int r = id / kChunks, c = id % kChunks;
-    const int64_t left = k_valid - c * 8;
-    const int valid = r >= rows_valid || left <= 0 ? 0 : (left >= 8 ? 8 : static_cast<int>(left));
-    copy_chunk<T, CopyBytes>(tile + swizzle(r, c), src + r * ld + c * 8, valid, fallback);
+  __device__ __forceinline__ TransSliceCopy(const T* src, int64_t ld, int64_t n_cols) {
+    r = static_cast<int>(threadIdx.x) / kRowChunks;
+    const int c = static_cast<int>(threadIdx.x) % kRowChunks;
+    row0 = src + r * ld + c * 8;
+    step = kHalfRows * ld;
+    smem = swizzle_t(r, c);
+    const int64_t left = n_cols - c * 8;
+    valid_n = left <= 0 ? 0 : (left >= 8 ? 8 : static_cast<int>(left));
+    all_cols = n_cols >= kRowChunks * 8;
   }
-}
+  // The slice whose row k = 0 starts at src + offset, with k_rows rows of k left (the
+  // rest zero-filled); fallback: a readable address.
+  __device__ __forceinline__ void operator()(unsigned char* tile, int64_t offset, int64_t k_rows,
+                                             const T* fallback) const {
+    if (CopyBytes == 16 && all_cols && k_rows >= kTransK) {  // a whole slice (uniform over the CTA)
+      hw::cp_async_cg16_full(tile + smem, row0 + offset);
+      hw::cp_async_cg16_full(tile + smem + kHalfRows * kTransRowBytes, row0 + step + offset);
+      return;
+    }
+    copy_chunk<T, CopyBytes>(tile + smem, row0 + offset, r < k_rows ? valid_n : 0, fallback);
+    copy_chunk<T, CopyBytes>(tile + smem + kHalfRows * kTransRowBytes, row0 + step + offset,
+                             r + kHalfRows < k_rows ? valid_n : 0, fallback);
+  }
+};
 
 // B fragments of n tiles j, j + 1 (16 columns from n_col) for the 16 k rows from k_row of a
 // transposed slice.
@@ -699,14 +758,21 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwd
   const float g = p.gate.at(b, h);
   const bool need_c = p.c_part != nullptr;
   // A closed head's P is only needed for the gate's gradient.
-  const int64_t k_tiles = (g != 0.f || need_c) ? (p.d + kTransK - 1) / kTransK : 0;
+  const int d = static_cast<int>(p.d);
+  const int k_tiles = (g != 0.f || need_c) ? (d + kTransK - 1) / kTransK : 0;
 
-  auto issue = [&](int64_t kt) {
+  const PlainSliceCopy<T, CopyBytes> copy_a(dy, p.d, rows);
+  const TransSliceCopy<T, CopyBytes> copy_b(w, p.ldw, cols);
+  const int64_t w_step = kTransK * p.ldw;  // W rows per slice
+  int issue_stage = 0;
+  int64_t w_offset = 0;
+  auto issue = [&](int kt) {
     if (kt < k_tiles) {
-      const int st = static_cast<int>(kt % kStages);
-      const int64_t k0 = kt * kTransK;
-      load_plain_slice<T, CopyBytes>(a_tile(st), dy + k0, p.d, rows, p.d - k0, dy);
-      load_trans_slice<T, CopyBytes>(b_tile(st), w + k0 * p.ldw, p.ldw, p.d - k0, cols, w);
+      const int k0 = kt * kTransK;
+      copy_a(a_tile(issue_stage), k0, d - k0, dy);
+      copy_b(b_tile(issue_stage), w_offset, d - k0, w);
+      w_offset += w_step;
+      issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
     }
     hw::cp_async_commit();
   };
@@ -716,12 +782,14 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwd
   for (int kt = 0; kt < kStages - 1; ++kt) issue(kt);
   const int quad = lane / 8, row_in_quad = lane % 8;
   const int a_row = (quad & 1) * 8 + row_in_quad, a_chunk = quad >> 1;
-  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+  int comp_stage = 0;
+  for (int kt = 0; kt < k_tiles; ++kt) {
     hw::cp_async_wait<kStages - 2>();
     __syncthreads();
     issue(kt + kStages - 1);
-    const unsigned char* at = a_tile(static_cast<int>(kt % kStages));
-    const unsigned char* bt = b_tile(static_cast<int>(kt % kStages));
+    const unsigned char* at = a_tile(comp_stage);
+    const unsigned char* bt = b_tile(comp_stage);
+    comp_stage = comp_stage == kStages - 1 ? 0 : comp_stage + 1;
 #pragma unroll
     for (int ks = 0; ks < kTransK / 16; ++ks) {
       uint32_t fa[kMmaM][4], fb[kMmaN][2];
@@ -762,7 +830,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwd
 // (transposed slice of dy rows), B = Z[b, h] (transposed slice of z rows). alpha[b,h]
 // enters as in the forward: acc is rescaled when alpha changes between batch rows.
 template <typename T, int CopyBytes>
-__global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_tc_kernel(TcBwdParams p) {
+__global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwdParams p) {
   unsigned char* smem = hw::dynamic_shared_memory();
   auto a_tile = [&](int stage) { return smem + stage * 2 * kTileBytes; };
   auto b_tile = [&](int stage) { return smem + stage * 2 * kTileBytes + kTileBytes; };
@@ -775,26 +843,35 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_tc_kernel(TcBwdPar
   const int wm = (warp % kWarpsM) * kWarpM, wn = (warp / kWarpsM) * kWarpN;
   const int64_t rows_m = p.d - m0 < kBM ? p.d - m0 : kBM;
   const int64_t cols = p.dv - n0 < kBN ? p.dv - n0 : kBN;
-  const int64_t q_slices = (p.seq + kTransK - 1) / kTransK;
+  const int q_slices = static_cast<int>((p.seq + kTransK - 1) / kTransK);
   const T* dy = static_cast<const T*>(p.grad_out) + m0;
   const T* z = static_cast<const T*>(p.z) + h * p.z_sh + n0;
 
-  int64_t open = 0;
+  int open = 0;
   for (int64_t b = 0; b < p.batch; ++b) open += p.gate.at(b, h) != 0.f;
-  const int64_t k_tiles = open * q_slices;
-  // Open batch rows in ascending |gate| order (as the forward's heads).
+  const int k_tiles = open * q_slices;
+  // Open batch rows in ascending |gate| order (as the forward's heads). The issue cursor
+  // keeps the offsets of its slice in dy and z and moves them by 32 rows a slice.
   const auto gate_of_row = [&](int64_t bb) { return p.gate.at(bb, h); };
-  int64_t issue_b = next_open_ascending(gate_of_row, p.batch, -1), issue_slice = 0;
-  auto issue = [&](int64_t kt) {
+  const TransSliceCopy<T, CopyBytes> copy_a(dy, p.d, rows_m), copy_b(z, p.z_sq, cols);
+  const int64_t dy_step = kTransK * p.d, z_step = kTransK * p.z_sq;
+  int64_t issue_b = next_open_ascending(gate_of_row, p.batch, -1);
+  int issue_slice = 0, issue_stage = 0;
+  int64_t dy_offset = issue_b * p.seq * p.d, z_offset = issue_b * p.z_sb;
+  auto issue = [&](int kt) {
     if (kt < k_tiles) {
-      const int st = static_cast<int>(kt % kStages);
-      const int64_t q = issue_slice * kTransK;
-      load_trans_slice<T, CopyBytes>(a_tile(st), dy + (issue_b * p.seq + q) * p.d, p.d, p.seq - q, rows_m, dy);
-      load_trans_slice<T, CopyBytes>(b_tile(st), z + issue_b * p.z_sb + q * p.z_sq, p.z_sq, p.seq - q, cols, z);
+      const int64_t q_left = p.seq - static_cast<int64_t>(issue_slice) * kTransK;
+      copy_a(a_tile(issue_stage), dy_offset, q_left, dy);
+      copy_b(b_tile(issue_stage), z_offset, q_left, z);
+      dy_offset += dy_step;
+      z_offset += z_step;
       if (++issue_slice == q_slices) {
         issue_slice = 0;
         issue_b = next_open_ascending(gate_of_row, p.batch, issue_b);
+        dy_offset = issue_b * p.seq * p.d;
+        z_offset = issue_b * p.z_sb;
       }
+      issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
     }
     hw::cp_async_commit();
   };
@@ -802,9 +879,10 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_tc_kernel(TcBwdPar
   zero_accumulators(acc);
 #pragma unroll
   for (int kt = 0; kt < kStages - 1; ++kt) issue(kt);
-  int64_t comp_b = -1, comp_slice = q_slices - 1;
+  int64_t comp_b = -1;
+  int comp_slice = q_slices - 1, comp_stage = 0;
   float alpha_cur = 1.f;
-  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+  for (int kt = 0; kt < k_tiles; ++kt) {
     if (++comp_slice == q_slices) {
       comp_slice = 0;
       comp_b = next_open_ascending(gate_of_row, p.batch, comp_b);
@@ -813,8 +891,9 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_tc_kernel(TcBwdPar
     hw::cp_async_wait<kStages - 2>();
     __syncthreads();
     issue(kt + kStages - 1);
-    const unsigned char* at = a_tile(static_cast<int>(kt % kStages));
-    const unsigned char* bt = b_tile(static_cast<int>(kt % kStages));
+    const unsigned char* at = a_tile(comp_stage);
+    const unsigned char* bt = b_tile(comp_stage);
+    comp_stage = comp_stage == kStages - 1 ? 0 : comp_stage + 1;
 #pragma unroll
     for (int ks = 0; ks < kTransK / 16; ++ks) {
       uint32_t fa[kMmaM][4], fb[kMmaN][2];

@@ -525,6 +525,9 @@ TC_SHAPES = [
     pytest.param(1, 2, 5, 67, 9, id="B1-H2-Q5-Dv67-D9"),  # odd Dv: partial copies, zero-filled k
     pytest.param(2, 2, 130, 16, 133, id="B2-H2-Q130-Dv16-D133"),  # two row and two column tiles, odd D
     pytest.param(1, 3, 3, 72, 5, id="B1-H3-Q3-Dv72-D5"),  # three slices per head
+    # Whole 128-row / 128-column tiles with whole slices (the copies' unbounded fast path)
+    # beside partial ones in every kernel: Q, D, Dv past one tile, Dv and D past whole slices.
+    pytest.param(2, 2, 160, 136, 144, id="B2-H2-Q160-Dv136-D144"),
 ]
 # Copy widths: bhqd / bqhd_view with Dv % 8 == 0 take 16-byte copies, "offset2" (a view
 # 2 elements into each row) 4-byte copies, "sliced" (odd row stride) 2-byte loads;
