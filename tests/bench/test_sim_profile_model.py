@@ -156,3 +156,31 @@ def test_each_op_marks_before_forward_and_backward():
                dict(op="mhar_route bwd", kernel="c", est_us=4.0, est_bound="hbm")]
     est = estimates_by_phase(targets)
     assert est[("mhar_route", "fwd")][0] == 2.0 and est[("mhar_route", "bwd")][0] == 7.0
+
+
+def test_issue_term_and_launch_instantiation(tmp_path):
+    """The issue term: mma.sync count x instructions per HMMA of the kernel's steady
+    K-loop iteration over the calibrated issue rate; LAUNCH_FUNCTIONS picks the exact
+    instantiation a launch name runs at the target shapes, in the ptxas and sass reports."""
+    from headwise.bench import sass
+    from headwise.bench.sim_profile import LAUNCH_FUNCTIONS, launch_report
+
+    rec = {"ctas": 4096, "ctas_per_sm": 2, "bytes_in_flight_per_cta": 1 << 14, "unique_bytes": 0,
+           "l2_sectors": 0, "smem_wavefronts": 0, "mma": 1_000_000, "issue_per_hmma": 6.0}
+    rate = H200.sms * H200.issue_per_clock_per_sm * H200.clock_hz * H200.issue_efficiency
+    est = estimate(rec, 0.0)
+    assert est["est_terms_us"]["issue"] == pytest.approx(1e6 * 6.0e6 / rate)
+    assert est["est_bound"] == "issue"  # 6 instructions per HMMA outrun the mma ceiling
+    assert estimate(dict(rec, issue_per_hmma=None), 0.0)["est_terms_us"]["issue"] == 0.0
+
+    fn = "void headwise::merge::tc::head_merge_fwd_tc_kernel<c10::BFloat16, {}, {}>(headwise::merge::tc::TcFwdParams)"
+    reports = [sass.IssueReport(fn.format(w, s), per, 100, 32)
+               for w, s, per in ((16, "false", 5.5), (4, "false", 10.5), (16, "true", 6.0))]
+    sass.write(reports, ["merge"], "90", "test", str(tmp_path))
+    loaded = sass.load("90", str(tmp_path))
+    assert sorted(r.issue_per_hmma for r in loaded) == [5.5, 6.0, 10.5]
+    assert LAUNCH_FUNCTIONS["head_merge_fwd_tc"] == ("head_merge_fwd_tc_kernel", "16, false")
+    pick = launch_report(loaded, "head_merge_fwd_tc", "bfloat16", key=lambda r: r.issue_per_hmma)
+    assert pick.issue_per_hmma == 5.5  # the 16-byte copies, not the worst (4-byte) instantiation
+    assert launch_report(loaded, "head_merge_stats_tc", "bfloat16", key=lambda r: 0).issue_per_hmma == 6.0
+    assert launch_report(loaded, "head_merge_fwd_tc", "float16", key=lambda r: 0) is None

@@ -46,15 +46,19 @@ class KernelReport:
 
     @property
     def name(self) -> str:
-        """Unqualified function name without template arguments."""
-        head = self.function.split("(", 1)[0]
-        depth, out = 0, ""
-        for ch in head:  # drop <...>, which may nest
-            depth += ch == "<"
-            if depth == 0:
-                out += ch
-            depth -= ch == ">"
-        return out.split()[-1].split("::")[-1]
+        return kernel_name(self.function)
+
+
+def kernel_name(function: str) -> str:
+    """Unqualified function name without template arguments of a demangled signature."""
+    head = function.split("(", 1)[0]
+    depth, out = 0, ""
+    for ch in head:  # drop <...>, which may nest
+        depth += ch == "<"
+        if depth == 0:
+            out += ch
+        depth -= ch == ">"
+    return out.split()[-1].split("::")[-1]
 
 
 def parse(text: str) -> list[KernelReport]:
@@ -88,16 +92,16 @@ def load(arch: str = "90", directory: str = DEFAULT_DIR) -> list[KernelReport]:
         return parse(f.read())
 
 
-def lookup(reports: list[KernelReport], kernel: str, dtype: str) -> KernelReport | None:
+def lookup(reports: list, kernel: str, dtype: str, key=lambda r: r.registers):
     """The report of launch name `kernel` (the CUDA function `kernel` or `kernel_kernel`)
     for `dtype`: among its instantiations for that dtype (all, if it is not a template on
-    the dtype), the one with the most registers (the emulator does not say which
-    instantiation a launch used)."""
+    the dtype), the one with the largest `key` (most registers; the emulator does not say
+    which instantiation a launch used). Reports: anything with .function and .name."""
     mine = [r for r in reports if r.name in (kernel, kernel + "_kernel")]
     cpp = CPP_DTYPES.get(dtype, dtype)
     typed = [r for r in mine if cpp in r.function]
     pick = typed or [r for r in mine if not any(t in r.function for t in CPP_DTYPES.values() if t != "float")]
-    return max(pick, key=lambda r: r.registers, default=None)
+    return max(pick, key=key, default=None)
 
 
 def _demangle(text: str) -> str:

@@ -1,27 +1,32 @@
 """The instruction mix of the CUDA kernels' hot loops, from the SASS that ptxas emits:
-how many instructions a warp issues per mma.sync (HMMA), per global load, per barrier.
+how many instructions a warp issues per mma.sync (HMMA) in one steady-state iteration.
 
-    python -m headwise.bench.sass --family merge [--arch 90] [--kernel REGEX] [--cubin F]
-        compiles csrc/merge/merge_cuda.cu to a cubin for sm_<arch> with setup.py's flags
+    python -m headwise.bench.sass --family merge [--family F ...] [--arch 90] [--kernel REGEX]
+        compiles csrc/<family>/*_cuda.cu to a cubin for sm_<arch> with setup.py's flags
         (the same nvcc command as headwise.bench.ptxas), disassembles it with cuobjdump
         (CUDA's, or the `nvidia-cuda-cuobjdump` wheel's) and prints, per kernel whose
-        demangled name matches REGEX, each loop (a backward branch and the addresses it
-        spans) with its instruction classes.
+        demangled name matches REGEX, its hot loops (a backward branch and the addresses
+        it spans) with the instruction classes of one steady iteration.
+    ... --out-dir bench
+        also writes those families' HMMA loops into bench/sass_sm<arch>.txt, which the
+        emulator's H200 estimate reads for its issue term (headwise.bench.sim_profile).
+    python -m headwise.bench.sass --cubin F [--kernel REGEX] [--all-loops]
+        the same for a cubin made elsewhere.
 
-Why: the emulator's H200 estimate (headwise.bench.sim_profile) has no instruction-issue
-term, and the first H200 run showed that a kernel can be issue-bound where every memory
-and tensor term says otherwise (the merge's tensor-core forward: 76 TFLOP/s against the
-sample GEMM's 343, its K loop rescanning the gates). A scheduler issues one warp
-instruction per clock, and on sm_90 mma.sync sustains about one m16n8k16 HMMA per
-scheduler every ~6 clocks (65% of the dense bf16 peak, the estimate's mma ceiling), so a
-loop with more than ~6 instructions per HMMA cannot keep the tensor cores busy whatever
-its memory does. `issue_per_hmma` is that number for each loop; `issue_bound_share` is
-the fraction of the mma ceiling a loop can reach by issue alone (1.0 when it is not the
-limit).
+Why: the first H200 run showed a kernel issue-bound where every memory and tensor term
+of the estimate said otherwise (the merge's tensor-core forward: 76 TFLOP/s against the
+sample GEMM's 343, its K loop rescanning the gates). A scheduler issues at most one warp
+instruction per clock, so a K loop's instructions per HMMA bound its tensor throughput:
+`issue_per_hmma` is that number for one steady iteration, `issue_bound_share` the share
+of the estimate's mma ceiling that the calibrated issue rate leaves (1.0: issue is not
+the limit; constants in headwise.bench.sim_profile.GpuModel).
 
-This is a static count: one pass through each loop body, predicated-off instructions
-included, no latency or dual-issue model. Loops are found from their backward branches
-(`BRA` to a lower address), so a loop the compiler fully unrolled is part of its parent.
+The steady iteration (hot_path) is the path from the loop head to its backward branch
+through every copy, ldmatrix and HMMA of the body, shortest among those: a branch taken
+rarely (a head change, a scan over the gates, the pipeline's drain) is off it, and an
+inner loop's body counts once. A static count: no latency or dual-issue model,
+predicated-off instructions included. Loops are found from backward branches (`BRA` to
+a lower address), so a loop the compiler unrolled fully is part of its parent.
 """
 
 from __future__ import annotations
@@ -37,11 +42,8 @@ import sysconfig
 import tempfile
 
 from . import ptxas
-from .sim_profile import H200
 
-# Clocks per HMMA.16816 per scheduler at the estimate's mma ceiling: an SM's 4 schedulers
-# together complete mma_flops_per_s / (sms x clock) FLOPs per clock.
-MMA_CLOCKS_PER_HMMA = 4 * H200.flops_per_mma / (H200.mma_flops_per_s / (H200.sms * H200.clock_hz))
+DEFAULT_DIR = ptxas.DEFAULT_DIR
 
 # Instruction classes counted per loop: (name, regex on the opcode with its modifiers).
 CLASSES = [
@@ -80,9 +82,16 @@ class Loop:
 
     @property
     def issue_bound_share(self) -> float | None:
-        """Fraction of the mma ceiling this loop's issue allows (1.0: issue is not the limit)."""
+        """Fraction of the estimate's mma ceiling this loop's issue allows at the model's
+        issue rate (1.0: issue is not the limit)."""
+        from .sim_profile import H200
+
         per = self.issue_per_hmma
-        return None if per is None else min(1.0, MMA_CLOCKS_PER_HMMA / per)
+        if per is None:
+            return None
+        hmma_per_s = H200.mma_flops_per_s / H200.flops_per_mma
+        issue_per_s = H200.sms * H200.issue_per_clock_per_sm * H200.clock_hz * H200.issue_efficiency
+        return min(1.0, issue_per_s / (per * hmma_per_s))
 
 
 @dataclasses.dataclass
@@ -123,8 +132,9 @@ def _is_branch(text: str) -> tuple[bool, bool, int | None]:
 
 # Instruction classes the steady state of a K loop issues every iteration: the hot path
 # goes through every one the body has (the operand copies sit under `if (kt < k_tiles)`,
-# which only the pipeline's last iterations skip).
-STEADY = ("ldgsts", "sts")
+# which only the pipeline's last iterations skip; a tile's MMAs under a causal or
+# bounds test that only the edge tiles fail).
+STEADY = ("hmma", "ldsm", "ldgsts", "sts")
 
 
 def hot_path(body: list) -> list:
@@ -242,6 +252,60 @@ def disassemble(cubin: str) -> list[Function]:
     return parse(run.stdout)
 
 
+@dataclasses.dataclass
+class IssueReport:
+    """One kernel instantiation's HMMA hot loop: what sim_profile's issue term reads."""
+    function: str          # demangled
+    issue_per_hmma: float
+    steady: int            # instructions of one steady iteration
+    hmma: int
+
+    @property
+    def name(self) -> str:
+        return ptxas.kernel_name(self.function)
+
+
+def issue_reports(funcs: list[Function]) -> list[IssueReport]:
+    out = []
+    for f in funcs:
+        lp = f.hot_loop("hmma")
+        if lp and lp.issue_per_hmma:
+            out.append(IssueReport(f.name, lp.issue_per_hmma, lp.path, lp.path_counts["hmma"]))
+    return out
+
+
+def _path(arch: str, directory: str) -> str:
+    return os.path.join(directory, f"sass_sm{arch}.txt")
+
+
+def load(arch: str = "90", directory: str = DEFAULT_DIR) -> list[IssueReport]:
+    """bench/sass_sm<arch>.txt: per kernel instantiation with an HMMA loop, its steady
+    iteration's instructions per HMMA."""
+    path = _path(arch, directory)
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.startswith("#") or not line.strip():
+                continue
+            per, steady, hmma, function = line.rstrip("\n").split("\t")
+            out.append(IssueReport(function, float(per), int(steady), int(hmma)))
+    return out
+
+
+def write(reports: list[IssueReport], families: list[str], arch: str, command: str, directory: str) -> str:
+    """Replaces the named families' entries of bench/sass_sm<arch>.txt (kept: the others)."""
+    keep = [r for r in load(arch, directory) if not any(f"headwise::{fam}::" in r.function for fam in families)]
+    path = _path(arch, directory)
+    with open(path, "w") as f:
+        f.write(f"# steady-state K-loop instructions per HMMA, sm_{arch} SASS; families {', '.join(families)} by: {command}\n")
+        f.write("# issue_per_hmma\tinstructions of one steady iteration\tHMMA in it\tkernel\n")
+        for r in sorted(keep + reports, key=lambda r: r.function):
+            f.write(f"{r.issue_per_hmma:.3f}\t{r.steady}\t{r.hmma}\t{r.function}\n")
+    return path
+
+
 def report(funcs: list[Function], kernel: str | None, all_loops: bool = False) -> str:
     pat = re.compile(kernel) if kernel else None
     cols = [name for name, _ in CLASSES if name != "branch"]
@@ -268,20 +332,30 @@ def report(funcs: list[Function], kernel: str | None, all_loops: bool = False) -
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m headwise.bench.sass", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", help="csrc/FAMILY/*_cuda.cu (merge, dcmha, mhar, qkv, gemm)")
+    p.add_argument("--family", action="append",
+                   help="csrc/FAMILY/*_cuda.cu (merge, dcmha, mhar, qkv, gemm; repeatable)")
     p.add_argument("--cubin", help="an existing cubin instead of compiling a family")
     p.add_argument("--arch", default="90")
     p.add_argument("--kernel", help="regex on the demangled kernel name")
     p.add_argument("--all-loops", action="store_true", help="every loop, not only the hot ones")
-    p.add_argument("--keep", metavar="CUBIN", help="keep the compiled cubin here")
+    p.add_argument("--keep", metavar="CUBIN", help="keep the compiled cubin here (one family)")
+    p.add_argument("--out-dir", help="write the families' HMMA loops into OUT_DIR/sass_sm<arch>.txt "
+                   "(what the emulator's estimate reads: --out-dir bench)")
     args = p.parse_args(argv)
     if not (args.family or args.cubin):
         p.error("give --family or --cubin")
+    command = " ".join(["python -m headwise.bench.sass"] + (argv if argv is not None else sys.argv[1:]))
+    funcs = []
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = args.cubin or args.keep or os.path.join(tmp, f"{args.family}_sm{args.arch}.cubin")
-        if not args.cubin:
-            compile_cubin(args.family, args.arch, cubin)
-        print(report(disassemble(cubin), args.kernel, args.all_loops))
+        if args.cubin:
+            funcs = disassemble(args.cubin)
+        for fam in args.family or []:
+            cubin = args.keep or os.path.join(tmp, f"{fam}_sm{args.arch}.cubin")
+            compile_cubin(fam, args.arch, cubin)
+            funcs += disassemble(cubin)
+    print(report(funcs, args.kernel, args.all_loops))
+    if args.out_dir and args.family:
+        print(f"wrote {write(issue_reports(funcs), args.family, args.arch, command, args.out_dir)}")
     return 0
 
 

@@ -23,6 +23,10 @@ The estimate (estimate(), constants in H200 only) is the largest of
         iteration is assumed to wait for the earlier one, i.e. no unrolling)
   smem  shared-memory wavefronts / (SMs x 1 wavefront per clock)
   mma   mma.sync count x FLOPs per mma / mma.sync ceiling
+  issue mma.sync count x the SASS instructions per HMMA of the kernel's steady K-loop
+        iteration (bench/sass_sm90.txt, python -m headwise.bench.sass) / the SMs' issue
+        rate (4 warp instructions per clock per SM, times an efficiency calibrated on the
+        H200: see GpuModel.issue_efficiency); kernels with HMMA loops only
   fp32  the kernel's share of the op's minimal FLOPs / FP32 ceiling (for kernels
         without mma; the emulator does not count arithmetic)
 Launch overheads and the GEMMs the ops leave to cuBLAS (shown as an analytic row) are
@@ -42,7 +46,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import ptxas
+from . import ptxas, sass
 
 
 # ---------------------------------------------------------------------------
@@ -60,6 +64,12 @@ class GpuModel:
     fp32_flops_per_s: float = 67e12      # FP32 FMA peak
     flops_per_mma: int = 2 * 16 * 8 * 16  # one m16n8k16 mma.sync
     smem_wavefronts_per_clock: int = 1   # per SM: 32 banks x 4 B
+    issue_per_clock_per_sm: int = 4      # warp instructions: one per scheduler per clock
+    # Share of that issue rate a tensor-core K loop sustains: the H200 run of 2026-11-30
+    # measured head_merge_bwd_dz_tc (commit 6ae161b, 7.41 instructions per HMMA in its
+    # steady iteration by python -m headwise.bench.sass) at 280 TFLOP/s, i.e. 0.485 of
+    # the instructions 4 schedulers x 1.98 GHz x 132 SMs could issue.
+    issue_efficiency: float = 0.485
     regs_per_sm: int = 65536
     reg_granule_per_warp: int = 256      # registers are allocated per warp in units of 256
     max_threads_per_sm: int = 2048
@@ -101,6 +111,8 @@ def estimate(rec: dict, fp32_flops: float, gpu: GpuModel = H200) -> dict:
         "lat": rec["unique_bytes"] / (gpu.hbm_bytes_per_s * share),
         "smem": rec["smem_wavefronts"] / (gpu.sms * gpu.smem_wavefronts_per_clock * gpu.clock_hz),
         "mma": rec["mma"] * gpu.flops_per_mma / gpu.mma_flops_per_s,
+        "issue": rec["mma"] * (rec.get("issue_per_hmma") or 0.0)
+        / (gpu.sms * gpu.issue_per_clock_per_sm * gpu.clock_hz * gpu.issue_efficiency),
         "fp32": (fp32_flops if rec["mma"] == 0 else 0.0) / gpu.fp32_flops_per_s,
     }
     bound = max(terms, key=terms.get)
@@ -459,13 +471,45 @@ def profile_op(key: str, ops, lib) -> list[dict]:
     return records
 
 
-def _finish(rec: dict, spec: OpSpec, shape: dict, reports) -> dict:
+# Launches whose name is not their CUDA function's, or whose instantiation the name fixes
+# at the aligned target shapes (16-byte copies; dh, dv = 128): the function and its
+# template arguments after the dtype.
+LAUNCH_FUNCTIONS = {
+    "head_merge_fwd_tc": ("head_merge_fwd_tc_kernel", "16, false"),
+    "head_merge_stats_tc": ("head_merge_fwd_tc_kernel", "16, true"),
+    "head_merge_bwd_dz_tc": ("head_merge_bwd_dz_tc_kernel", "16"),
+    "head_merge_bwd_dw_tc": ("head_merge_bwd_dw_tc_kernel", "16"),
+    "dcmha_attn_stats": ("dcmha_attn_sweep", "false"),
+    "dcmha_attn_partials": ("dcmha_attn_sweep", "true"),
+    "dcmha_attn_output": ("dcmha_attn_output", "16"),
+    "dcmha_attn_bwd_dpost": ("dcmha_attn_bwd_sweep", "false"),
+    "dcmha_attn_bwd_dpre": ("dcmha_attn_bwd_sweep", "true"),
+    "dcmha_attn_bwd_rowsum": ("dcmha_attn_bwd_rows", "false, 4"),
+    "dcmha_attn_bwd_dq": ("dcmha_attn_bwd_rows", "true, 16"),
+    "dcmha_attn_bwd_dv": ("dcmha_attn_bwd_keys", "false, 16"),
+    "dcmha_attn_bwd_dk": ("dcmha_attn_bwd_keys", "true, 16"),
+}
+
+
+def launch_report(reports: list, kernel: str, dtype: str, key):
+    """The report (ptxas or sass) of a launch: its exact instantiation where
+    LAUNCH_FUNCTIONS names it, else ptxas.lookup's choice by `key`."""
+    if kernel in LAUNCH_FUNCTIONS:
+        fn, args = LAUNCH_FUNCTIONS[kernel]
+        want = f"::{fn}<{ptxas.CPP_DTYPES.get(dtype, dtype)}, {args}>("
+        return next((r for r in reports if want in r.function), None)
+    return ptxas.lookup(reports, kernel, dtype, key=key)
+
+
+def _finish(rec: dict, spec: OpSpec, shape: dict, reports, issue_reports=None) -> dict:
     """Add occupancy, the op's minimal bytes/FLOPs and the estimate to a launch record."""
     threads = rec["block"][0] * rec["block"][1] * rec["block"][2]
-    rep = ptxas.lookup(reports, rec["kernel"], rec["dtype"])
+    rep = launch_report(reports, rec["kernel"], rec["dtype"], key=lambda r: r.registers)
     rec["registers"] = rep.registers if rep else None
     rec["spill_bytes"] = (rep.spill_stores + rep.spill_loads) if rep else None
     rec["static_smem_bytes"] = rep.static_smem if rep else None
+    loop = launch_report(issue_reports or [], rec["kernel"], rec["dtype"], key=lambda r: r.issue_per_hmma)
+    rec["issue_per_hmma"] = loop.issue_per_hmma if loop else None
     rec["threads"] = threads
     rec["ctas_per_sm"] = ctas_per_sm(threads, rec["registers"], rec["dynamic_smem_bytes"] + (rec["static_smem_bytes"] or 0))
     rec["min_bytes"] = spec.min_bytes(shape)[rec["phase"]]
@@ -474,7 +518,7 @@ def _finish(rec: dict, spec: OpSpec, shape: dict, reports) -> dict:
     return rec
 
 
-def fit_target(key: str, records: list[dict], reports) -> list[dict]:
+def fit_target(key: str, records: list[dict], reports, issue_reports=None) -> list[dict]:
     """Launch records at the op's target shape: every count in FITTED fitted exactly on the
     op's basis over the profiled shapes, evaluated at the target."""
     spec = OPS[key]
@@ -498,7 +542,7 @@ def fit_target(key: str, records: list[dict], reports) -> list[dict]:
         # Per-request ratios describe the access pattern, not the size: measured at the
         # largest profiled shape, not fitted.
         rec["ratios"] = ratios(base)
-        out.append(_finish(rec, spec, spec.target, reports))
+        out.append(_finish(rec, spec, spec.target, reports, issue_reports))
     return out
 
 
@@ -603,6 +647,7 @@ def main(op_keys: list[str], json_path: str | None) -> int:
     ops = load_profile_library()
     lib = torch.ops.headwise_sim_profile
     reports = ptxas.load("90")
+    issue_reports = sass.load("90")
     lib.sim_profile_enable(True)
     try:
         measured, targets = [], []
@@ -611,9 +656,9 @@ def main(op_keys: list[str], json_path: str | None) -> int:
             recs = profile_op(key, ops, lib)
             print(f"profiled {key} at {len(OPS[key].shapes)} shapes in {time.perf_counter() - start:.0f} s", flush=True)
             for rec in recs:
-                _finish(rec, OPS[key], rec["shape"], reports)
+                _finish(rec, OPS[key], rec["shape"], reports, issue_reports)
             measured += recs
-            targets += fit_target(key, recs, reports) + gemm_rows(key)
+            targets += fit_target(key, recs, reports, issue_reports) + gemm_rows(key)
     finally:
         lib.sim_profile_enable(False)
     if not reports:
