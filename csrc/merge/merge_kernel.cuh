@@ -31,6 +31,7 @@
 
 #include "../common/block_reduce.cuh"
 #include "../common/simt_portability.h"
+#include "../common/vec.cuh"
 
 #include <cstdint>
 
@@ -338,45 +339,95 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_dw_kernel(BwdParams p
   }
 }
 
-// grad_bias[n] = sum over rows r of dy[r, n], in two fixed-order stages (no atomics, the
-// result depends on the shape only). Stage 1: grid (ceil(rows / kBiasRows), ceil(D / 32)),
-// kThreads threads: lane l of warp w sums column n0 + l over rows w, w + 8, ... of the
-// block's kBiasRows-row chunk (a warp reads 32 consecutive elements of one row: every
-// sector it touches is fully used), then the 8 warp sums are added in warp order into
-// part[chunk, n].
-constexpr int kBiasRows = 64;
-constexpr int kBiasCols = 32;
+// grad_bias[n] = sum over rows r of dy[r, n] (dy [rows, D] contiguous), in two fixed-order
+// stages (no atomics: the result depends on the shape only). Bytes: dy read once (the
+// HBM floor, 134 MB at B*Q = 16384, D = 4096 bf16) plus 4 D ceil(rows / kBiasRows) bytes
+// of partials written and read (2 MB there).
+// Stage 1: grid (ceil(rows / kBiasRows), ceil(D / (32 VEC))), kThreads threads: lane l of
+// warp w owns the VEC columns n0 + l VEC.. (VEC = 16 bytes of T where D and dy allow
+// 16-byte loads, else 1) and sums them over rows w, w + 8, ... of the block's
+// kBiasRows-row chunk, kBiasUnroll rows' loads in flight at a time (a warp reads 512
+// contiguous bytes of a row per request at VEC = 16 bytes); the 8 warp sums of each column
+// are then added in warp order through shared memory (a lane's VEC sums at a pitch of
+// VEC + 1 words: conflict-free writes, reads at most 2-way) and leave as part[chunk, n],
+// consecutive threads on consecutive columns.
+constexpr int kBiasRows = 128;
+constexpr int kBiasUnroll = 4;
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) head_merge_bwd_bias_partial_kernel(const T* dy, float* part, int64_t rows,
                                                                                  int64_t d) {
-  __shared__ float warp_sums[kThreads / 32][kBiasCols];
+  constexpr int kWarps = kThreads / 32, kCols = 32 * VEC, kPitch = VEC == 1 ? 1 : VEC + 1;
+  __shared__ float warp_sums[kWarps][32 * kPitch];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t chunk = blockIdx.x;
-  const int64_t n = static_cast<int64_t>(blockIdx.y) * kBiasCols + lane;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * kCols;
+  const int64_t n = n0 + lane * VEC;  // this lane's first column (VEC columns, all < d or none)
   const int64_t r0 = chunk * kBiasRows;
   const int64_t r1 = rows - r0 < kBiasRows ? rows : r0 + kBiasRows;
+  float sum[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) sum[e] = 0.f;
+  if (n < d) {
+    const T* col = dy + n;
+    int64_t r = r0 + warp;
+    for (; r + (kBiasUnroll - 1) * kWarps < r1; r += kBiasUnroll * kWarps) {
+      hw::Pack<T, VEC> x[kBiasUnroll];
+#pragma unroll
+      for (int u = 0; u < kBiasUnroll; ++u) x[u] = hw::load_pack<T, VEC>(col + (r + u * kWarps) * d);
+#pragma unroll
+      for (int u = 0; u < kBiasUnroll; ++u)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) sum[e] += static_cast<float>(x[u].v[e]);
+    }
+    for (; r < r1; r += kWarps) {
+      const hw::Pack<T, VEC> x = hw::load_pack<T, VEC>(col + r * d);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) sum[e] += static_cast<float>(x.v[e]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) warp_sums[warp][lane * kPitch + e] = sum[e];
+  __syncthreads();
+  for (int c = threadIdx.x; c < kCols && n0 + c < d; c += kThreads) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += warp_sums[w][(c / VEC) * kPitch + c % VEC];
+    part[chunk * d + n0 + c] = total;
+  }
+}
+
+// Stage 2: grad_bias[n] = sum over chunks of part[chunk, n]: grid ceil(D / 32), kThreads
+// threads; warp w sums chunks w, w + 8, ... in order for column n0 + lane (a warp reads
+// 128 contiguous bytes a request, kBiasUnroll chunks' loads in flight at a time), then
+// the 8 warp sums are added in warp order.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) head_merge_bwd_bias_finalize_kernel(const float* part, T* grad_bias,
+                                                                                  int64_t chunks, int64_t d) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float warp_sums[kWarps][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * 32 + lane;
   float sum = 0.f;
-  if (n < d)
-    for (int64_t r = r0 + warp; r < r1; r += kThreads / 32) sum += static_cast<float>(dy[r * d + n]);
+  if (n < d) {
+    int64_t c = warp;
+    for (; c + (kBiasUnroll - 1) * kWarps < chunks; c += kBiasUnroll * kWarps) {
+      float x[kBiasUnroll];
+#pragma unroll
+      for (int u = 0; u < kBiasUnroll; ++u) x[u] = part[(c + u * kWarps) * d + n];
+#pragma unroll
+      for (int u = 0; u < kBiasUnroll; ++u) sum += x[u];
+    }
+    for (; c < chunks; c += kWarps) sum += part[c * d + n];
+  }
   warp_sums[warp][lane] = sum;
   __syncthreads();
   if (warp == 0 && n < d) {
     float total = 0.f;
 #pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w][lane];
-    part[chunk * d + n] = total;
+    for (int w = 0; w < kWarps; ++w) total += warp_sums[w][lane];
+    grad_bias[n] = static_cast<T>(total);
   }
-}
-
-// Stage 2: grad_bias[n] = sum over chunks (in order) of part[chunk, n]; one thread per column.
-template <typename T>
-__global__ void head_merge_bwd_bias_finalize_kernel(const float* part, T* grad_bias, int64_t chunks, int64_t d) {
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (n >= d) return;
-  float sum = 0.f;
-  for (int64_t c = 0; c < chunks; ++c) sum += part[c * d + n];
-  grad_bias[n] = static_cast<T>(sum);
 }
 
 // The gate's gradient from the <Z, P> partials: grid B, kThreads threads. For batch row

@@ -473,11 +473,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_m
     if (bias_grad) {
       const int64_t chunks = cdiv(s.rows(), kBiasRows);
       at::Tensor part = new_output({chunks, s.d}, z.options().dtype(at::kFloat));
-      auto db = &head_merge_bwd_bias_partial_kernel<T>;
-      HW_LAUNCH("head_merge_bwd_bias", db, dim3(static_cast<unsigned>(chunks), cdiv(s.d, kBiasCols)), dim3(kThreads),
-                0, static_cast<const T*>(dy.data_ptr()), part.data_ptr<float>(), s.rows(), s.d);
+      // 16-byte loads when every row of dy starts 16-byte aligned (dy is contiguous).
+      constexpr int E = 16 / static_cast<int>(sizeof(T));
+      const bool vec = s.d % E == 0 && reinterpret_cast<uintptr_t>(dy.data_ptr()) % 16 == 0;
+      const auto launch_partial = [&](auto width) {
+        constexpr int V = decltype(width)::value;
+        auto db = &head_merge_bwd_bias_partial_kernel<T, V>;
+        HW_LAUNCH("head_merge_bwd_bias", db, dim3(static_cast<unsigned>(chunks), cdiv(s.d, 32 * V)), dim3(kThreads),
+                  0, static_cast<const T*>(dy.data_ptr()), part.data_ptr<float>(), s.rows(), s.d);
+      };
+      if (vec) launch_partial(std::integral_constant<int, E>{});
+      else launch_partial(std::integral_constant<int, 1>{});
       auto fin = &head_merge_bwd_bias_finalize_kernel<T>;
-      HW_LAUNCH("head_merge_bwd_bias_finalize", fin, dim3(cdiv(s.d, 256)), dim3(256), 0, part.data_ptr<float>(),
+      HW_LAUNCH("head_merge_bwd_bias_finalize", fin, dim3(cdiv(s.d, 32)), dim3(kThreads), 0, part.data_ptr<float>(),
                 static_cast<T*>(grad_b.data_ptr()), chunks, s.d);
     }
   });
