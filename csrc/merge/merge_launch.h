@@ -48,11 +48,12 @@ inline void check_backend(const at::Tensor& z, const Shape& s, const char* op) {
                         s.batch * s.heads * ((s.dv + kBN - 1) / kBN) <= kMaxGridX &&
                         s.batch * ((s.seq + tc::kBM - 1) / tc::kBM) * ((s.d + tc::kBN - 1) / tc::kBN) <= kMaxGridX &&
                         s.batch * s.heads * ((s.seq + tc::kBM - 1) / tc::kBM) * ((s.dv + tc::kBN - 1) / tc::kBN) <=
-                            kMaxGridX,
+                            kMaxGridX &&
+                        s.batch * ((s.seq + tc::kTransK - 1) / tc::kTransK) <= kMaxGridX,  // grad_weight_o's int K loop
                     "headwise.", op, ": shape too large for the CUDA grid (Q/", kBM, ", D/", kBM,
                     " and H must be at most ", kMaxGridYZ, ", B*ceil(D/", kBN, "), B*H*ceil(Dv/", kBN,
-                    "), B*ceil(Q/", tc::kBM, ")*ceil(D/", tc::kBN, ") and B*H*ceil(Q/", tc::kBM, ")*ceil(Dv/", tc::kBN,
-                    ") at most ", kMaxGridX,
+                    "), B*ceil(Q/", tc::kBM, ")*ceil(D/", tc::kBN, "), B*H*ceil(Q/", tc::kBM, ")*ceil(Dv/", tc::kBN,
+                    ") and B*ceil(Q/", tc::kTransK, ") at most ", kMaxGridX,
                     "), got z ", shape_str(z));
 }
 

@@ -682,7 +682,7 @@ struct TransSliceCopy {
   }
   // The slice whose row k = 0 starts at src + offset, with k_rows rows of k left (the
   // rest zero-filled); fallback: a readable address.
-  __device__ __forceinline__ void operator()(unsigned char* tile, int64_t offset, int64_t k_rows,
+  __device__ __forceinline__ void operator()(unsigned char* tile, int64_t offset, int k_rows,
                                              const T* fallback) const {
     if (CopyBytes == 16 && all_cols && k_rows >= kTransK) {  // a whole slice (uniform over the CTA)
       hw::cp_async_cg16_full(tile + smem, row0 + offset);
@@ -843,7 +843,8 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
   const int wm = (warp % kWarpsM) * kWarpM, wn = (warp / kWarpsM) * kWarpN;
   const int64_t rows_m = p.d - m0 < kBM ? p.d - m0 : kBM;
   const int64_t cols = p.dv - n0 < kBN ? p.dv - n0 : kBN;
-  const int q_slices = static_cast<int>((p.seq + kTransK - 1) / kTransK);
+  const int seq = static_cast<int>(p.seq);
+  const int q_slices = (seq + kTransK - 1) / kTransK;
   const T* dy = static_cast<const T*>(p.grad_out) + m0;
   const T* z = static_cast<const T*>(p.z) + h * p.z_sh + n0;
 
@@ -860,7 +861,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
   int64_t dy_offset = issue_b * p.seq * p.d, z_offset = issue_b * p.z_sb;
   auto issue = [&](int kt) {
     if (kt < k_tiles) {
-      const int64_t q_left = p.seq - static_cast<int64_t>(issue_slice) * kTransK;
+      const int q_left = seq - issue_slice * kTransK;
       copy_a(a_tile(issue_stage), dy_offset, q_left, dy);
       copy_b(b_tile(issue_stage), z_offset, q_left, z);
       dy_offset += dy_step;

@@ -298,8 +298,14 @@ def write(reports: list[IssueReport], families: list[str], arch: str, command: s
     """Replaces the named families' entries of bench/sass_sm<arch>.txt (kept: the others)."""
     keep = [r for r in load(arch, directory) if not any(f"headwise::{fam}::" in r.function for fam in families)]
     path = _path(arch, directory)
+    made = []  # the earlier "made by" lines, for the entries kept
+    if keep and os.path.exists(path):
+        with open(path) as f:
+            made = [ln for ln in f if ln.startswith("# made by")]
     with open(path, "w") as f:
-        f.write(f"# steady-state K-loop instructions per HMMA, sm_{arch} SASS; families {', '.join(families)} by: {command}\n")
+        f.write(f"# steady-state K-loop instructions per HMMA, sm_{arch} SASS (python -m headwise.bench.sass)\n")
+        f.writelines(made)
+        f.write(f"# made by: {command} (families {', '.join(families)})\n")
         f.write("# issue_per_hmma\tinstructions of one steady iteration\tHMMA in it\tkernel\n")
         for r in sorted(keep + reports, key=lambda r: r.function):
             f.write(f"{r.issue_per_hmma:.3f}\t{r.steady}\t{r.hmma}\t{r.function}\n")
