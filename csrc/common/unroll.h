@@ -6,8 +6,12 @@
 
 #include "simt_portability.h"
 
+// HW_UNROLL_4: unrolled by 4, for a loop whose every access takes a runtime index (full
+// unrolling of a 16-trip loop would hoist all 16 iterations' loads and spill).
 #if HW_SIM
 #define HW_UNROLL _Pragma("GCC unroll 64")
+#define HW_UNROLL_4 _Pragma("GCC unroll 4")
 #else
 #define HW_UNROLL _Pragma("unroll")
+#define HW_UNROLL_4 _Pragma("unroll 4")
 #endif

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace hw {
 
@@ -22,6 +23,33 @@ struct alignas(sizeof(T) * VEC < 16 ? sizeof(T) * VEC : 16) Pack {
 template <typename T>
 __device__ __forceinline__ float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
+}
+
+// (a, b) rounded to T and back, round-to-nearest-even as round_to<T> (static_cast) does.
+// For bf16 on the GPU one cvt rounds both (cvt.rn.bf16x2.f32, sm_80+), and each comes
+// back to fp32 as the high half of a word (one shift or mask, no cvt); fp16 and fp32
+// round one at a time (a paired fp16 cvt would still need a cvt back for each).
+template <typename T>
+__device__ __forceinline__ void round_pair_to(float& a, float& b) {
+#if !HW_SIM && defined(__CUDA_ARCH__)
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    uint32_t p;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(b), "f"(a));
+    a = __uint_as_float(p << 16);
+    b = __uint_as_float(p & 0xffff0000u);
+    return;
+  }
+#endif
+  a = round_to<T>(a);
+  b = round_to<T>(b);
+}
+
+// round_to<T> of each of VEC values, in pairs.
+template <typename T, int VEC>
+__device__ __forceinline__ void round_vec_to(float (&y)[VEC]) {
+#pragma unroll
+  for (int k = 0; k + 1 < VEC; k += 2) round_pair_to<T>(y[k], y[k + 1]);
+  if (VEC % 2 == 1) y[VEC - 1] = round_to<T>(y[VEC - 1]);
 }
 
 // The emulator checks what the GPU assumes: a misaligned vector access faults on the GPU
@@ -78,6 +106,67 @@ __device__ __forceinline__ void store_pack(T* dst, const Pack<T, VEC>& pack) {
   *reinterpret_cast<Pack<T, VEC>*>(dst) = pack;
 }
 #endif
+
+// The fp32 values of a pack, taken from its 32-bit words. A bf16 is the high half of an
+// fp32 word, so the two of a word convert with one shift and one mask (c10's conversion
+// spends a byte permute and a shift on each); on the GPU each fp16 half of a word
+// converts in place (cvt.f32.f16); fp32 and odd VEC per element.
+template <typename T, int VEC>
+__device__ __forceinline__ void unpack_to_float(const Pack<T, VEC>& pack, float (&out)[VEC]) {
+  if constexpr (std::is_same<T, c10::BFloat16>::value && VEC % 2 == 0) {
+    uint32_t w[VEC / 2];
+    std::memcpy(w, &pack, sizeof(w));
+#pragma unroll
+    for (int m = 0; m < VEC / 2; ++m) {
+      const uint32_t lo = w[m] << 16, hi = w[m] & 0xffff0000u;
+      std::memcpy(&out[2 * m], &lo, 4);
+      std::memcpy(&out[2 * m + 1], &hi, 4);
+    }
+  }
+#if !HW_SIM && defined(__CUDA_ARCH__)
+  else if constexpr (std::is_same<T, c10::Half>::value && VEC % 2 == 0) {
+    uint32_t w[VEC / 2];
+    std::memcpy(w, &pack, sizeof(w));
+#pragma unroll
+    for (int m = 0; m < VEC / 2; ++m)
+      asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;\n\t}"
+          : "=f"(out[2 * m]), "=f"(out[2 * m + 1])
+          : "r"(w[m]));
+  }
+#endif
+  else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = static_cast<float>(pack.v[k]);
+  }
+}
+
+// The pack at src when `pred`, else zeros. A pack of 16-bit elements moves as 32-bit
+// words: loaded and zero-filled element by element, the compiler reassembles each
+// register from halves (a byte permute per element) where a select of words needs none.
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_pack_if(const T* src, bool pred) {
+  Pack<T, VEC> out;
+  if constexpr (sizeof(Pack<T, VEC>) % 4 == 0) {
+    constexpr int kWords = static_cast<int>(sizeof(Pack<T, VEC>) / 4);
+    static_assert(alignof(Pack<uint32_t, kWords>) == alignof(Pack<T, VEC>), "word pack alignment");
+    Pack<uint32_t, kWords> w;
+    if (pred) {
+      check_pack_alignment<T, VEC>(src);
+      w = load_pack<uint32_t, kWords>(reinterpret_cast<const uint32_t*>(src));
+    } else {
+#pragma unroll
+      for (int m = 0; m < kWords; ++m) w.v[m] = 0u;
+    }
+    std::memcpy(&out, &w, sizeof(out));
+  } else if (pred) {
+    check_pack_alignment<T, VEC>(src);
+    out = load_pack<T, VEC>(src);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out.v[k] = static_cast<T>(0.f);
+  }
+  return out;
+}
 
 template <int VEC, typename T>
 __device__ __forceinline__ void load_as_float(const T* __restrict__ src, float (&dst)[VEC]) {

@@ -118,10 +118,16 @@ __host__ __device__ inline int64_t head_sums_floats(HeadReduce mode, int64_t nve
   return 2 * head_partial_floats(mode, nvec) * (mode == HeadReduce::kWarps ? count : 1);
 }
 
-// Floats of the thread-private slices of the scalar layout (three [d]-sized vectors per
-// thread block: q, g and the accumulator, or q * g, dout and z; see ThreadVectors).
+// Floats of one [d]-sized vector's thread-private slices (see ThreadVectors): a thread's
+// ITEMS x VEC values and one pad word each.
+__host__ __device__ inline int64_t slice_block_floats(int64_t items, int64_t threads, int64_t vec) {
+  return threads * (items * vec + 1);
+}
+
+// Floats of the slices of the scalar layout (three [d]-sized vectors per thread block: q,
+// g and the accumulator, or q * g, dout and z).
 __host__ __device__ inline int64_t param_slice_floats(bool in_smem, int64_t items, int64_t threads, int64_t vec) {
-  return in_smem ? 3 * items * threads * vec : 0;
+  return in_smem ? 3 * slice_block_floats(items, threads, vec) : 0;
 }
 
 // Forward dynamic smem (floats): BlockSums scratch (2 x 32 x ROWS), HeadSums scratch,
@@ -146,22 +152,55 @@ __host__ __device__ inline int64_t bwd_smem_floats(HeadReduce mode, int64_t nvec
 
 // The thread's ITEMS x VEC values of a [d]-sized fp32 vector: in registers, or (IN_SMEM,
 // the scalar layout, whose 16 items per thread would not leave registers for the rest:
-// the parameters and the accumulators live there)
-// in a thread-private shared-memory slice laid out [ITEMS][blockDim.x][VEC]: consecutive
-// lanes read consecutive words (conflict-free), and no barrier guards a thread's slice.
+// the parameters and the accumulators live there) in a thread-private shared-memory
+// slice of ITEMS * VEC + 1 words at tid * (ITEMS * VEC + 1): one base register and
+// immediate offsets per vector (a [ITEMS][blockDim.x] layout needs an address register
+// per item, which spilled), and the odd pitch keeps a warp's 32 accesses of one value in
+// 32 banks. No barrier guards a thread's slice.
 template <int ITEMS, int VEC, bool IN_SMEM>
 struct ThreadVectors {
+  static constexpr int kPitch = ITEMS * VEC + 1;
   float reg[IN_SMEM ? 1 : ITEMS][VEC];
   float* slice;
 
-  __device__ explicit ThreadVectors(float* slice_base) : slice(slice_base) {}
-  __device__ float get(int i, int k) const {
-    return IN_SMEM ? slice[(i * blockDim.x + threadIdx.x) * VEC + k] : reg[IN_SMEM ? 0 : i][k];
-  }
+  // slice_block: the vector's slices for the whole block (slice_block_floats).
+  __device__ explicit ThreadVectors(float* slice_block) : slice(slice_block + threadIdx.x * kPitch) {}
+  __device__ float get(int i, int k) const { return IN_SMEM ? slice[i * VEC + k] : reg[IN_SMEM ? 0 : i][k]; }
   __device__ void set(int i, int k, float x) {
-    if (IN_SMEM) slice[(i * blockDim.x + threadIdx.x) * VEC + k] = x;
+    if (IN_SMEM) slice[i * VEC + k] = x;
     else reg[IN_SMEM ? 0 : i][k] = x;
   }
+};
+
+// A thread's items, fixed for the kernel: item i is vector v = tid + i * blockDim.x of
+// the row, present when v < nvec, in head v / kv; `first` marks a head's first vector.
+// The vectorized layout (ITEMS <= kCachedItems) forms them once, so no stage divides by
+// kv; the scalar layout (16 items) recomputes them, as 64 more live registers would spill.
+constexpr int kCachedItems = 4;
+template <int ITEMS, bool CACHE = (ITEMS <= kCachedItems)>
+class ThreadItems {
+ public:
+  __device__ ThreadItems(int nvec, int kv) : nvec_(nvec), kv_(kv) {
+    HW_UNROLL
+    for (int i = 0; i < kCached; ++i) {
+      head_[i] = compute_offset(i) / kv;
+      first_[i] = compute_valid(i) && compute_offset(i) % kv == 0;
+    }
+  }
+  __device__ int offset(int i) const { return compute_offset(i); }
+  __device__ bool valid(int i) const { return compute_valid(i); }
+  __device__ int head(int i) const { return kCached ? head_[kCached ? i : 0] : compute_offset(i) / kv_; }
+  __device__ bool first(int i) const {
+    return kCached ? first_[kCached ? i : 0] : compute_valid(i) && compute_offset(i) % kv_ == 0;
+  }
+
+ private:
+  static constexpr int kCached = CACHE ? ITEMS : 0;
+  __device__ int compute_offset(int i) const { return static_cast<int>(threadIdx.x + i * blockDim.x); }
+  __device__ bool compute_valid(int i) const { return compute_offset(i) < nvec_; }
+  int nvec_, kv_;
+  int head_[kCached > 0 ? kCached : 1];
+  bool first_[kCached > 0 ? kCached : 1];
 };
 
 // Loads the thread's vectors of x (zeros for v >= nvec) as fp32.
@@ -179,36 +218,24 @@ __device__ __forceinline__ void load_param(const float* x, int nvec, ThreadVecto
   }
 }
 
-template <typename T, int VEC>
-__device__ __forceinline__ void zero_pack(hw::Pack<T, VEC>& pk) {
-  HW_UNROLL
-  for (int k = 0; k < VEC; ++k) pk.v[k] = static_cast<T>(0.f);
-}
-
 // Issues the loads of rows [n0, n0 + ROWS) of a position (the thread's vectors; zeros
-// for rows >= n_end and vectors >= nvec).
-template <typename T, int VEC, int ITEMS, int ROWS>
-__device__ __forceinline__ void load_stage(const T* src, int64_t stride_n, int n0, int n_end, int nvec,
+// for rows >= n_end and absent items).
+template <typename T, int VEC, int ITEMS, int ROWS, class Items>
+__device__ __forceinline__ void load_stage(const T* src, int64_t stride_n, int n0, int n_end, const Items& items,
                                            hw::Pack<T, VEC> (&x)[ROWS][ITEMS]) {
+  const T* row = src + n0 * stride_n;
   HW_UNROLL
-  for (int r = 0; r < ROWS; ++r) {
+  for (int r = 0; r < ROWS; ++r, row += stride_n) {
     HW_UNROLL
-    for (int i = 0; i < ITEMS; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      if (n0 + r < n_end && v < nvec) {
-        hw::check_pack_alignment<T, VEC>(src + (n0 + r) * stride_n + v * VEC);
-        x[r][i] = hw::load_pack<T, VEC>(src + (n0 + r) * stride_n + v * VEC);
-      } else {
-        zero_pack(x[r][i]);
-      }
-    }
+    for (int i = 0; i < ITEMS; ++i)
+      x[r][i] = hw::load_pack_if<T, VEC>(row + items.offset(i) * VEC, n0 + r < n_end && items.valid(i));
   }
 }
 
 // The end of a stage at rows [n0, n0 + ROWS): the next stage's rows move into cur, from
 // the registers they were prefetched into (PREFETCH), else by loading them now.
-template <bool PREFETCH, typename T, int VEC, int ITEMS, int ROWS>
-__device__ __forceinline__ void advance_stage(const T* src, int64_t stride_n, int n0, int n_end, int nvec,
+template <bool PREFETCH, typename T, int VEC, int ITEMS, int ROWS, class Items>
+__device__ __forceinline__ void advance_stage(const T* src, int64_t stride_n, int n0, int n_end, const Items& items,
                                               hw::Pack<T, VEC> (&cur)[ROWS][ITEMS],
                                               const hw::Pack<T, VEC> (&nxt)[ROWS][ITEMS]) {
   if constexpr (PREFETCH) {
@@ -218,7 +245,7 @@ __device__ __forceinline__ void advance_stage(const T* src, int64_t stride_n, in
       for (int i = 0; i < ITEMS; ++i) cur[j][i] = nxt[j][i];
     }
   } else if (n0 + ROWS < n_end) {
-    load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + ROWS, n_end, nvec, cur);
+    load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + ROWS, n_end, items, cur);
   }
 }
 
@@ -265,7 +292,8 @@ class HeadSums {
       : scratch_(scratch), nvec_(nvec), kv_(kv), heads_(heads),
         half_(static_cast<int>(head_sums_floats(MODE, nvec, COUNT) / 2)) {}
 
-  __device__ void operator()(float (&val)[COUNT][ITEMS]) {
+  template <class Items>
+  __device__ void operator()(float (&val)[COUNT][ITEMS], const Items& items) {
     const int tid = threadIdx.x;
     const int nthreads = blockDim.x;
     if (MODE == HeadReduce::kSegment) {
@@ -281,18 +309,16 @@ class HeadSums {
       for (int c = 0; c < COUNT; ++c) {
         HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
-          const int v = tid + i * nthreads;
           const float s = hw::warp_sum(val[c][i]);
-          if ((tid & 31) == 0 && v < nvec_) part[c * nw + (v >> 5)] = s;
+          if ((tid & 31) == 0 && items.valid(i)) part[c * nw + (items.offset(i) >> 5)] = s;
         }
       }
       __syncthreads();
       const int chunks = kv_ >> 5;
       HW_UNROLL
       for (int i = 0; i < ITEMS; ++i) {
-        const int v = tid + i * nthreads;
-        if (v >= nvec_) continue;
-        const int c0 = (v / kv_) * chunks;
+        if (!items.valid(i)) continue;
+        const int c0 = items.head(i) * chunks;
         HW_UNROLL
         for (int c = 0; c < COUNT; ++c) {
           float s = 0.f;
@@ -306,10 +332,8 @@ class HeadSums {
       for (int c = 0; c < COUNT; ++c) {
         float* part = scratch_ + (calls_++ & 1) * half_;
         HW_UNROLL
-        for (int i = 0; i < ITEMS; ++i) {
-          const int v = tid + i * nthreads;
-          if (v < nvec_) part[v] = val[c][i];
-        }
+        for (int i = 0; i < ITEMS; ++i)
+          if (items.valid(i)) part[items.offset(i)] = val[c][i];
         __syncthreads();
         // Warp w sums heads w, w + nwarps, ...; the sum lands in the head's first slot
         // once every lane has read the head (the shuffles order the reads before it).
@@ -321,10 +345,8 @@ class HeadSums {
         }
         __syncthreads();
         HW_UNROLL
-        for (int i = 0; i < ITEMS; ++i) {
-          const int v = tid + i * nthreads;
-          if (v < nvec_) val[c][i] = part[(v / kv_) * kv_];
-        }
+        for (int i = 0; i < ITEMS; ++i)
+          if (items.valid(i)) val[c][i] = part[items.head(i) * kv_];
       }
     }
   }
@@ -341,6 +363,10 @@ class HeadSums {
 // with the running-max softmax (one rescale per stage). The head's first thread keeps
 // the raw logits in smem; at the end each weight is written once, as
 // w[n,h] = exp(l[n,h] - max_h) / den_h, by threads over (n, h) (coalesced).
+// Instructions per source element (the kernel issues, not HBM, set its pace at d = 4096:
+// bench/RESULTS.md): a stage unpacks each element once (bf16: a shift or a mask), and the
+// logit term is u * (g q) with u rounded two at a time (one cvt per pair), as the CPU
+// kernel forms it.
 template <typename T, int VEC, int ITEMS, int ROWS, bool PREFETCH, HeadReduce MODE>
 __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdParams p) {
   const int tid = threadIdx.x;
@@ -350,6 +376,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
   const int heads = static_cast<int>(p.route.heads);
   const int num_src = p.route.num_sources;
   const float inv_d = 1.f / static_cast<float>(p.route.d);
+  const ThreadItems<ITEMS> items(nvec, kv);
 
   float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
   BlockSums<ROWS> block_sums(smem);
@@ -358,10 +385,20 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
   const int pos_floats = static_cast<int>(fwd_pos_floats(num_src, heads));
   float* slices = pos_smem + 2 * pos_floats;
 
+  // gq = g * q: the logit weight of each element (the scalar layout keeps it in the first
+  // slice; the second is free once it is formed).
   constexpr bool kSlices = VEC == 1;
-  ThreadVectors<ITEMS, VEC, kSlices> q(slices), g(slices + ITEMS * nthreads * VEC);
-  load_param(p.route.query, nvec, q);
-  load_param(p.route.norm_weight, nvec, g);
+  ThreadVectors<ITEMS, VEC, kSlices> gq(slices);
+  {
+    ThreadVectors<ITEMS, VEC, kSlices> q(slices), g(slices + slice_block_floats(ITEMS, nthreads, VEC));
+    load_param(p.route.query, nvec, q);
+    load_param(p.route.norm_weight, nvec, g);
+    HW_UNROLL
+    for (int i = 0; i < ITEMS; ++i) {
+      HW_UNROLL
+      for (int k = 0; k < VEC; ++k) gq.set(i, k, g.get(i, k) * q.get(i, k));
+    }
+  }
   const float gate = p.gate == nullptr ? 1.f : *p.gate;
 
   int parity = 0;
@@ -375,33 +412,41 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
     const int64_t t = pos - b * p.route.seq;
     const T* src = static_cast<const T*>(p.route.sources) + b * p.route.src_stride_b + t * p.route.src_stride_t;
 
-    ThreadVectors<ITEMS, VEC, kSlices> acc(slices + 2 * ITEMS * nthreads * VEC);
-    float run_max[ITEMS], run_den[ITEMS];
+    ThreadVectors<ITEMS, VEC, kSlices> acc(slices + 2 * slice_block_floats(ITEMS, nthreads, VEC));
+    // The running max of each item's head: registers, or (scalar layout) the second
+    // slice, free once gq is formed (16 more live registers would spill).
+    ThreadVectors<ITEMS, VEC, kSlices> run_max(slices + slice_block_floats(ITEMS, nthreads, VEC));
+    float run_den[ITEMS];
     HW_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
-      run_max[i] = -INFINITY;
+      run_max.set(i, 0, -INFINITY);
       run_den[i] = 0.f;
       HW_UNROLL
       for (int k = 0; k < VEC; ++k) acc.set(i, k, 0.f);
     }
 
     hw::Pack<T, VEC> cur[ROWS][ITEMS];
-    load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, 0, num_src, nvec, cur);
+    load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, 0, num_src, items, cur);
     for (int n0 = 0; n0 < num_src; n0 += ROWS) {
       hw::Pack<T, VEC> nxt[ROWS][ITEMS];
-      if (PREFETCH) load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, nvec, nxt);
+      if (PREFETCH) load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, items, nxt);
 
+      // The vectorized layout unpacks the stage once; the scalar layout's 16 items per
+      // row convert on use (16 more live fp32 registers would spill).
+      float x[kSlices ? 1 : ROWS][kSlices ? 1 : ITEMS][VEC] = {};
+      auto xv = [&](int j, int i, int k) -> float {
+        if constexpr (kSlices) return static_cast<float>(cur[j][i].v[k]);
+        else return x[j][i][k];
+      };
       float r[ROWS];
       HW_UNROLL
       for (int j = 0; j < ROWS; ++j) {
         float ss = 0.f;
         HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
+          if constexpr (!kSlices) hw::unpack_to_float<T, VEC>(cur[j][i], x[j][i]);
           HW_UNROLL
-          for (int k = 0; k < VEC; ++k) {
-            const float x = static_cast<float>(cur[j][i].v[k]);
-            ss += x * x;
-          }
+          for (int k = 0; k < VEC; ++k) ss += xv(j, i, k) * xv(j, i, k);
         }
         r[j] = ss;
       }
@@ -414,27 +459,27 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
       for (int j = 0; j < ROWS; ++j) {
         HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
+          float u[VEC];
+          HW_UNROLL
+          for (int k = 0; k < VEC; ++k) u[k] = xv(j, i, k) * r[j];
+          hw::round_vec_to<T, VEC>(u);
           float l = 0.f;
           HW_UNROLL
-          for (int k = 0; k < VEC; ++k) {
-            const float x = static_cast<float>(cur[j][i].v[k]);
-            l += (hw::round_to<T>(x * r[j]) * g.get(i, k)) * q.get(i, k);
-          }
+          for (int k = 0; k < VEC; ++k) l += u[k] * gq.get(i, k);
           logit[j][i] = l;
         }
       }
-      head_sums(logit);
+      head_sums(logit, items);
 
       const int rows = num_src - n0 < ROWS ? num_src - n0 : ROWS;
       HW_UNROLL
       for (int i = 0; i < ITEMS; ++i) {
-        const int v = tid + i * nthreads;
-        if (v >= nvec) continue;
-        float new_max = run_max[i];
+        if (!items.valid(i)) continue;
+        float new_max = run_max.get(i, 0);
         HW_UNROLL
         for (int j = 0; j < ROWS; ++j)
           if (j < rows) new_max = fmaxf(new_max, logit[j][i]);
-        const float alpha = expf(run_max[i] - new_max);  // exp(-inf) = 0 on the first stage
+        const float alpha = expf(run_max.get(i, 0) - new_max);  // exp(-inf) = 0 on the first stage
         float prob[ROWS];
         float den = run_den[i] * alpha;
         HW_UNROLL
@@ -446,19 +491,19 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
         for (int k = 0; k < VEC; ++k) {
           float a = acc.get(i, k) * alpha;
           HW_UNROLL
-          for (int j = 0; j < ROWS; ++j) a += prob[j] * static_cast<float>(cur[j][i].v[k]);
+          for (int j = 0; j < ROWS; ++j) a += prob[j] * xv(j, i, k);
           acc.set(i, k, a);
         }
-        run_max[i] = new_max;
+        run_max.set(i, 0, new_max);
         run_den[i] = den;
-        if (v % kv == 0) {
+        if (items.first(i)) {
           HW_UNROLL
           for (int j = 0; j < ROWS; ++j)
-            if (j < rows) s_logit[(n0 + j) * heads + v / kv] = logit[j][i];
+            if (j < rows) s_logit[(n0 + j) * heads + items.head(i)] = logit[j][i];
         }
       }
 
-      advance_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0, num_src, nvec, cur, nxt);
+      advance_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0, num_src, items, cur, nxt);
     }
 
     T* out = static_cast<T*>(p.out) + pos * p.route.d;
@@ -467,8 +512,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
                        : static_cast<const T*>(p.residual) + b * p.res_stride_b + t * p.res_stride_t;
     HW_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
-      const int v = tid + i * nthreads;
-      if (v >= nvec) continue;
+      if (!items.valid(i)) continue;
+      const int v = items.offset(i);
       const float inv_den = 1.f / run_den[i];
       const float scale = gate * inv_den;
       float rv[VEC];
@@ -479,9 +524,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
       HW_UNROLL
       for (int k = 0; k < VEC; ++k) y[k] = acc.get(i, k) * scale + rv[k];
       hw::store_from_float<VEC>(out + v * VEC, y);
-      if (v % kv == 0) {
-        s_max[v / kv] = run_max[i];
-        s_den[v / kv] = inv_den;
+      if (items.first(i)) {
+        s_max[items.head(i)] = run_max.get(i, 0);
+        s_den[items.head(i)] = inv_den;
       }
     }
     __syncthreads();
@@ -511,6 +556,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
   const int nh = num_src * heads;
   const float inv_d = 1.f / static_cast<float>(p.route.d);
   const int64_t positions = p.route.positions;
+  const ThreadItems<ITEMS, false> items(nvec, kv);
 
   float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
   hw::BlockSum block_sum(smem);
@@ -530,7 +576,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
   // qg = q * g: the key path's weight of each element.
   ThreadVectors<ITEMS, VEC, kSlices> qg(slices);
   {
-    ThreadVectors<ITEMS, VEC, kSlices> q(slices), g(slices + ITEMS * nthreads * VEC);
+    ThreadVectors<ITEMS, VEC, kSlices> q(slices), g(slices + slice_block_floats(ITEMS, nthreads, VEC));
     load_param(p.route.query, nvec, q);
     load_param(p.route.norm_weight, nvec, g);
     HW_UNROLL
@@ -541,14 +587,14 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
   }
   // dout of the position (gate not applied): packs in registers, or fp32 in the second
   // slice (g is not needed once qg is formed).
-  ThreadVectors<ITEMS, VEC, kSlices> dout_slice(slices + ITEMS * nthreads * VEC);
+  ThreadVectors<ITEMS, VEC, kSlices> dout_slice(slices + slice_block_floats(ITEMS, nthreads, VEC));
   const float gate = p.gate == nullptr ? 1.f : *p.gate;
   const int64_t segments = bwd_segments(positions);
   const int64_t wstride_n = positions * heads;
 
   int parity = 0;
   for (int64_t seg = blockIdx.x; seg < segments; seg += gridDim.x) {
-    ThreadVectors<ITEMS, VEC, kSlices> z(slices + 2 * ITEMS * nthreads * VEC);
+    ThreadVectors<ITEMS, VEC, kSlices> z(slices + 2 * slice_block_floats(ITEMS, nthreads, VEC));
     HW_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
       HW_UNROLL
@@ -577,15 +623,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
       hw::Pack<T, VEC> dout[kSlices ? 1 : ITEMS];
       HW_UNROLL
       for (int i = 0; i < ITEMS; ++i) {
-        const int v = tid + i * nthreads;
-        hw::Pack<T, VEC> pk;
-        if (v < nvec) {
-          const T* dp = static_cast<const T*>(p.grad_out) + pos * p.route.d + v * VEC;
-          hw::check_pack_alignment<T, VEC>(dp);
-          pk = hw::load_pack<T, VEC>(dp);
-        } else {
-          zero_pack(pk);
-        }
+        const hw::Pack<T, VEC> pk = hw::load_pack_if<T, VEC>(
+            static_cast<const T*>(p.grad_out) + pos * p.route.d + items.offset(i) * VEC, items.valid(i));
         if (kSlices) {
           HW_UNROLL
           for (int k = 0; k < VEC; ++k) dout_slice.set(i, k, static_cast<float>(pk.v[k]));
@@ -593,16 +632,22 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
           dout[kSlices ? 0 : i] = pk;
         }
       }
-      auto dout_at = [&](int i, int k) {
-        return kSlices ? dout_slice.get(i, k) : static_cast<float>(dout[kSlices ? 0 : i].v[k]);
+      // The fp32 dout of item i (unpacked from its pack, or read from the slice).
+      auto dout_of = [&](int i, float (&o)[VEC]) {
+        if (kSlices) {
+          HW_UNROLL
+          for (int k = 0; k < VEC; ++k) o[k] = dout_slice.get(i, k);
+        } else {
+          hw::unpack_to_float<T, VEC>(dout[kSlices ? 0 : i], o);
+        }
       };
 
       // Pass 1: a, b and the sum of squares of every row, per head.
       hw::Pack<T, VEC> cur[ROWS][ITEMS];
-      load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, 0, num_src, nvec, cur);
+      load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, 0, num_src, items, cur);
       for (int n0 = 0; n0 < num_src; n0 += ROWS) {
         hw::Pack<T, VEC> nxt[ROWS][ITEMS];
-        if (PREFETCH) load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, nvec, nxt);
+        if (PREFETCH) load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, items, nxt);
         const int rows = num_src - n0 < ROWS ? num_src - n0 : ROWS;
         if (p.stage_rows) {
           HW_UNROLL
@@ -625,10 +670,13 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
             HW_UNROLL
             for (int i = 0; i < ITEMS; ++i) {
               float part[3] = {0.f, 0.f, 0.f};
+              float xs[VEC], dv[VEC];
+              hw::unpack_to_float<T, VEC>(cur[j][i], xs);
+              dout_of(i, dv);
               HW_UNROLL
               for (int k = 0; k < VEC; ++k) {
-                const float x = static_cast<float>(cur[j][i].v[k]);
-                part[0] += dout_at(i, k) * x;
+                const float x = xs[k];
+                part[0] += dv[k] * x;
                 part[1] += qg.get(i, k) * x;
                 part[2] += x * x;
               }
@@ -636,15 +684,14 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
               for (int c = 0; c < kVals; ++c) sums[kVals * j + c][i] = part[pass * kVals + c];
             }
           }
-          head_sums(sums);
+          head_sums(sums, items);
           HW_UNROLL
           for (int i = 0; i < ITEMS; ++i) {
-            const int v = tid + i * nthreads;
-            if (v >= nvec || v % kv != 0) continue;
+            if (!items.first(i)) continue;
             HW_UNROLL
             for (int j = 0; j < ROWS; ++j) {
               if (j >= rows) continue;
-              const int e = (n0 + j) * heads + v / kv;
+              const int e = (n0 + j) * heads + items.head(i);
               HW_UNROLL
               for (int c = 0; c < kVals; ++c) {
                 const int value = pass * kVals + c;
@@ -653,7 +700,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
             }
           }
         }
-        advance_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0, num_src, nvec, cur, nxt);
+        advance_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0, num_src, items, cur, nxt);
       }
       __syncthreads();
 
@@ -687,7 +734,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
         const float r = s_r[n];
         const float r3c = s_r3c[n];
         G* ds = static_cast<G*>(p.grad_sources) + (n * positions + pos) * p.route.d;
-        HW_UNROLL
+        // Unrolled by 4: all of ITEMS in the vectorized layout (its dout packs are indexed
+        // by i), a quarter of the scalar layout's 16, whose item state is in smem slices.
+        HW_UNROLL_4
         for (int i = 0; i < ITEMS; ++i) {
           const int v = tid + i * nthreads;
           if (v >= nvec) continue;
@@ -698,7 +747,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
             hw::check_pack_alignment<T, VEC>(src + n * p.route.src_stride_n + v * VEC);
             xp = hw::load_pack<T, VEC>(src + n * p.route.src_stride_n + v * VEC);
           }
-          const int e = n * heads + v / kv;
+          const int e = n * heads + items.head(i);
           const float wg = gate * s_w[e];
           const float dl = s_dl[e];
           float prev[VEC];
@@ -708,12 +757,16 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
             HW_UNROLL
             for (int k = 0; k < VEC; ++k) prev[k] = 0.f;
           }
-          float y[VEC];
+          float x[VEC], dv[VEC], u[VEC], y[VEC];
+          hw::unpack_to_float<T, VEC>(xp, x);
+          dout_of(i, dv);
+          HW_UNROLL
+          for (int k = 0; k < VEC; ++k) u[k] = x[k] * r;
+          hw::round_vec_to<T, VEC>(u);
           HW_UNROLL
           for (int k = 0; k < VEC; ++k) {
-            const float x = static_cast<float>(xp.v[k]);
-            y[k] = prev[k] + (wg * dout_at(i, k) + r * (dl * qg.get(i, k)) - r3c * x);
-            z.set(i, k, z.get(i, k) + dl * hw::round_to<T>(x * r));
+            y[k] = prev[k] + (wg * dv[k] + r * (dl * qg.get(i, k)) - r3c * x[k]);
+            z.set(i, k, z.get(i, k) + dl * u[k]);
           }
           hw::store_from_float<VEC>(ds + v * VEC, y);
         }
