@@ -218,6 +218,24 @@ __device__ __forceinline__ void load_param(const float* x, int nvec, ThreadVecto
   }
 }
 
+// qg = q * g, each element's weight in the logits (forward) and the key path (backward):
+// in registers, or (scalar layout) in the first slice block, with the second as scratch
+// (free again once qg is formed).
+template <int ITEMS, int VEC, bool IN_SMEM>
+__device__ __forceinline__ ThreadVectors<ITEMS, VEC, IN_SMEM> load_qg(const Routing& route, int nvec, int nthreads,
+                                                                     float* slices) {
+  ThreadVectors<ITEMS, VEC, IN_SMEM> qg(slices);
+  ThreadVectors<ITEMS, VEC, IN_SMEM> q(slices), g(slices + slice_block_floats(ITEMS, nthreads, VEC));
+  load_param(route.query, nvec, q);
+  load_param(route.norm_weight, nvec, g);
+  HW_UNROLL
+  for (int i = 0; i < ITEMS; ++i) {
+    HW_UNROLL
+    for (int k = 0; k < VEC; ++k) qg.set(i, k, q.get(i, k) * g.get(i, k));
+  }
+  return qg;
+}
+
 // Issues the loads of rows [n0, n0 + ROWS) of a position (the thread's vectors; zeros
 // for rows >= n_end and absent items).
 template <typename T, int VEC, int ITEMS, int ROWS, class Items>
@@ -365,7 +383,7 @@ class HeadSums {
 // w[n,h] = exp(l[n,h] - max_h) / den_h, by threads over (n, h) (coalesced).
 // Instructions per source element (the kernel issues, not HBM, set its pace at d = 4096:
 // bench/RESULTS.md): a stage unpacks each element once (bf16: a shift or a mask), and the
-// logit term is u * (g q) with u rounded two at a time (one cvt per pair), as the CPU
+// logit term is u * (q g) with u rounded two at a time (one cvt per pair), as the CPU
 // kernel forms it.
 template <typename T, int VEC, int ITEMS, int ROWS, bool PREFETCH, HeadReduce MODE>
 __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdParams p) {
@@ -385,20 +403,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
   const int pos_floats = static_cast<int>(fwd_pos_floats(num_src, heads));
   float* slices = pos_smem + 2 * pos_floats;
 
-  // gq = g * q: the logit weight of each element (the scalar layout keeps it in the first
-  // slice; the second is free once it is formed).
   constexpr bool kSlices = VEC == 1;
-  ThreadVectors<ITEMS, VEC, kSlices> gq(slices);
-  {
-    ThreadVectors<ITEMS, VEC, kSlices> q(slices), g(slices + slice_block_floats(ITEMS, nthreads, VEC));
-    load_param(p.route.query, nvec, q);
-    load_param(p.route.norm_weight, nvec, g);
-    HW_UNROLL
-    for (int i = 0; i < ITEMS; ++i) {
-      HW_UNROLL
-      for (int k = 0; k < VEC; ++k) gq.set(i, k, g.get(i, k) * q.get(i, k));
-    }
-  }
+  ThreadVectors<ITEMS, VEC, kSlices> qg = load_qg<ITEMS, VEC, kSlices>(p.route, nvec, nthreads, slices);
   const float gate = p.gate == nullptr ? 1.f : *p.gate;
 
   int parity = 0;
@@ -414,7 +420,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
 
     ThreadVectors<ITEMS, VEC, kSlices> acc(slices + 2 * slice_block_floats(ITEMS, nthreads, VEC));
     // The running max of each item's head: registers, or (scalar layout) the second
-    // slice, free once gq is formed (16 more live registers would spill).
+    // slice block, free once qg is formed (16 more live registers would spill).
     ThreadVectors<ITEMS, VEC, kSlices> run_max(slices + slice_block_floats(ITEMS, nthreads, VEC));
     float run_den[ITEMS];
     HW_UNROLL
@@ -465,7 +471,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
           hw::round_vec_to<T, VEC>(u);
           float l = 0.f;
           HW_UNROLL
-          for (int k = 0; k < VEC; ++k) l += u[k] * gq.get(i, k);
+          for (int k = 0; k < VEC; ++k) l += u[k] * qg.get(i, k);
           logit[j][i] = l;
         }
       }
@@ -573,18 +579,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
   hw::Pack<T, VEC>* s_rows = reinterpret_cast<hw::Pack<T, VEC>*>(smem + bwd_smem_floats(
       MODE, nvec, ROWS, num_src, heads, param_slice_floats(kSlices, ITEMS, nthreads, VEC)));
 
-  // qg = q * g: the key path's weight of each element.
-  ThreadVectors<ITEMS, VEC, kSlices> qg(slices);
-  {
-    ThreadVectors<ITEMS, VEC, kSlices> q(slices), g(slices + slice_block_floats(ITEMS, nthreads, VEC));
-    load_param(p.route.query, nvec, q);
-    load_param(p.route.norm_weight, nvec, g);
-    HW_UNROLL
-    for (int i = 0; i < ITEMS; ++i) {
-      HW_UNROLL
-      for (int k = 0; k < VEC; ++k) qg.set(i, k, q.get(i, k) * g.get(i, k));
-    }
-  }
+  ThreadVectors<ITEMS, VEC, kSlices> qg = load_qg<ITEMS, VEC, kSlices>(p.route, nvec, nthreads, slices);
   // dout of the position (gate not applied): packs in registers, or fp32 in the second
   // slice (g is not needed once qg is formed).
   ThreadVectors<ITEMS, VEC, kSlices> dout_slice(slices + slice_block_floats(ITEMS, nthreads, VEC));
