@@ -13,6 +13,8 @@
 //   hw::cp_async_cg16(dst, src, src_bytes)        cp.async.cg.shared.global, 16 bytes
 //       copies src_bytes (<= the copy size) and zero-fills the rest of the copy
 //   hw::cp_async_cg16_full(dst, src)              the same for a whole chunk (no size operand)
+//   hw::SmemAddr(p)                    a dynamic-shared-memory byte address formed once (see below);
+//       ldmatrix and the cp.async copies also take one in place of a pointer
 //   hw::cp_async_commit()              cp.async.commit_group
 //   hw::cp_async_wait<N>()             cp.async.wait_group N (all but the N newest groups landed)
 //   hw::cp_async_wait_all()            cp.async.wait_all
@@ -39,6 +41,33 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 #endif
+
+// A byte address in the dynamic shared memory: the 32-bit shared-window address under nvcc,
+// a pointer in the emulator. A K loop forms its ring's address once and offsets it (an
+// IADD, or an immediate of the access) instead of converting a generic pointer per access:
+// on sm_90 that conversion re-reads the CTA's shared window (S2UR SR_CgaCtaId) each time.
+struct SmemAddr {
+#if HW_SIM
+  unsigned char* p;
+  SmemAddr() = default;
+  explicit SmemAddr(const void* ptr) : p(static_cast<unsigned char*>(const_cast<void*>(ptr))) {}
+  SmemAddr operator+(int bytes) const { return SmemAddr(p + bytes); }
+  void* pointer() const { return p; }
+#else
+  uint32_t a;
+  SmemAddr() = default;
+  __device__ __forceinline__ explicit SmemAddr(const void* ptr) : a(shared_address(ptr)) {}
+  __device__ __forceinline__ SmemAddr operator+(int bytes) const {
+    SmemAddr r = *this;
+    r.a += static_cast<uint32_t>(bytes);
+    return r;
+  }
+  // The generic pointer (for plain shared loads and stores).
+  __device__ __forceinline__ void* pointer() const {
+    return __cvta_shared_to_generic(a);
+  }
+#endif
+};
 
 // D = A B + C over one 16x8 tile, fp32 accumulation (d may alias c).
 #if HW_SIM
@@ -69,12 +98,12 @@ HW_DEFINE_MMA(mma_m16n8k8_tf32, tf32, "mma.sync.aligned.m16n8k8.row.col.f32.tf32
 #undef HW_MMA_BODY
 
 template <int Num, bool Trans = false>
-__device__ __forceinline__ void ldmatrix(uint32_t (&r)[Num], const void* row_address) {
+__device__ __forceinline__ void ldmatrix(uint32_t (&r)[Num], SmemAddr row_address) {
   static_assert(Num == 1 || Num == 2 || Num == 4, "ldmatrix loads 1, 2 or 4 matrices");
 #if HW_SIM
-  hw_sim::prim::ldmatrix<Num, Trans>(r, row_address);
+  hw_sim::prim::ldmatrix<Num, Trans>(r, row_address.p);
 #elif HW_PRIM_PTX
-  const uint32_t s = shared_address(row_address);
+  const uint32_t s = row_address.a;
   if constexpr (Num == 1 && !Trans)
     asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(s) : "memory");
   else if constexpr (Num == 1)
@@ -98,13 +127,18 @@ __device__ __forceinline__ void ldmatrix(uint32_t (&r)[Num], const void* row_add
 #endif
 }
 
+template <int Num, bool Trans = false>
+__device__ __forceinline__ void ldmatrix(uint32_t (&r)[Num], const void* row_address) {
+  ldmatrix<Num, Trans>(r, SmemAddr(row_address));
+}
+
 template <int Bytes>
-__device__ __forceinline__ void cp_async_ca(void* smem_dst, const void* gmem_src, int src_bytes = Bytes) {
+__device__ __forceinline__ void cp_async_ca(SmemAddr smem_dst, const void* gmem_src, int src_bytes = Bytes) {
   static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async.ca copies 4, 8 or 16 bytes");
 #if HW_SIM
-  hw_sim::prim::cp_async(smem_dst, gmem_src, Bytes, static_cast<unsigned>(src_bytes), false);
+  hw_sim::prim::cp_async(smem_dst.p, gmem_src, Bytes, static_cast<unsigned>(src_bytes), false);
 #elif HW_PRIM_PTX
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(shared_address(smem_dst)), "l"(gmem_src),
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_dst.a), "l"(gmem_src),
                "n"(Bytes), "r"(src_bytes)
                : "memory");
 #else
@@ -115,11 +149,11 @@ __device__ __forceinline__ void cp_async_ca(void* smem_dst, const void* gmem_src
 #endif
 }
 
-__device__ __forceinline__ void cp_async_cg16(void* smem_dst, const void* gmem_src, int src_bytes = 16) {
+__device__ __forceinline__ void cp_async_cg16(SmemAddr smem_dst, const void* gmem_src, int src_bytes = 16) {
 #if HW_SIM
-  hw_sim::prim::cp_async(smem_dst, gmem_src, 16, static_cast<unsigned>(src_bytes), true);
+  hw_sim::prim::cp_async(smem_dst.p, gmem_src, 16, static_cast<unsigned>(src_bytes), true);
 #elif HW_PRIM_PTX
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem_dst)), "l"(gmem_src),
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst.a), "l"(gmem_src),
                "r"(src_bytes)
                : "memory");
 #else
@@ -131,17 +165,35 @@ __device__ __forceinline__ void cp_async_cg16(void* smem_dst, const void* gmem_s
 }
 
 // cp.async.cg of a whole 16-byte chunk (no source size operand: nothing to zero-fill).
-__device__ __forceinline__ void cp_async_cg16_full(void* smem_dst, const void* gmem_src) {
+__device__ __forceinline__ void cp_async_cg16_full(SmemAddr smem_dst, const void* gmem_src) {
 #if HW_SIM
-  hw_sim::prim::cp_async(smem_dst, gmem_src, 16, 16u, true);
+  hw_sim::prim::cp_async(smem_dst.p, gmem_src, 16, 16u, true);
 #elif HW_PRIM_PTX
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(smem_dst)), "l"(gmem_src)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_dst.a), "l"(gmem_src)
                : "memory");
 #else
   (void)smem_dst;
   (void)gmem_src;
   __trap();
 #endif
+}
+
+// p advanced by a byte offset (a copy source: one 64-bit add where the offset is kept in bytes).
+template <typename T>
+__device__ __forceinline__ const T* byte_offset(const T* p, int64_t bytes) {
+  return reinterpret_cast<const T*>(reinterpret_cast<const unsigned char*>(p) + bytes);
+}
+
+// The same copies to a generic pointer into the dynamic shared memory.
+template <int Bytes>
+__device__ __forceinline__ void cp_async_ca(void* smem_dst, const void* gmem_src, int src_bytes = Bytes) {
+  cp_async_ca<Bytes>(SmemAddr(smem_dst), gmem_src, src_bytes);
+}
+__device__ __forceinline__ void cp_async_cg16(void* smem_dst, const void* gmem_src, int src_bytes = 16) {
+  cp_async_cg16(SmemAddr(smem_dst), gmem_src, src_bytes);
+}
+__device__ __forceinline__ void cp_async_cg16_full(void* smem_dst, const void* gmem_src) {
+  cp_async_cg16_full(SmemAddr(smem_dst), gmem_src);
 }
 
 __device__ __forceinline__ void cp_async_commit() {

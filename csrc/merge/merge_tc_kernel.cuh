@@ -47,6 +47,11 @@
 //   Per CTA and k slice: 2 * 128 * 128 * 32 = 1.05 MFLOP for 16 KiB of L2 reads, i.e. 64
 //   FLOP per L2 byte; 4096 CTAs; mma-bound (~0.85 ms at 65% of the bf16 dense peak) like
 //   the sample GEMM: per warp and 16-deep step 6 ldmatrix.x4 feed 16 mma.
+//   Issue: a steady K iteration (one slice: 32 HMMA, 12 LDSM, 4 LDGSTS per warp) is ~100
+//   instructions on sm_90 (python -m headwise.bench.sass), 3.2 per HMMA, under the sample
+//   GEMM's 3.9: the copy sources and ldmatrix addresses are carried from slice to slice
+//   (PlainSliceCopy, StageAddresses) and the ring is addressed as 32-bit shared addresses
+//   (hw::SmemAddr), so the loop recomputes no address from threadIdx or the parameters.
 #pragma once
 
 #include "../common/mma_primitives.cuh"
@@ -87,6 +92,28 @@ constexpr int kBK = kChunks * kChunkElems<T>;
 // Byte offset of (row, 16-byte chunk) in a swizzled [kBM x 64 B] slice.
 __device__ __forceinline__ int swizzle(int row, int chunk) { return row * kRowBytes + ((chunk ^ ((row >> 1) & 3)) * 16); }
 
+// A lane's N ldmatrix addresses in the ring stage being computed (A slices at stage * 2 *
+// kTileBytes, B slices kTileBytes on), carried from slice to slice: next() moves them one
+// stage on, back to stage 0 after the last. Carried values are what ptxas keeps in
+// registers; addresses it can recompute from threadIdx it recomputes every slice under the
+// 128-register cap (~30 instructions; python -m headwise.bench.sass counts them).
+template <int N>
+struct StageAddresses {
+  hw::SmemAddr at[N];
+  int stage;
+  // at[n] = stage 0's address plus offset[n] (offsets from the ring's start).
+  __device__ __forceinline__ StageAddresses(hw::SmemAddr ring, const int (&offset)[N]) : stage(0) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) at[n] = ring + offset[n];
+  }
+  __device__ __forceinline__ void next() {
+    const int step = stage == kStages - 1 ? -(kStages - 1) * 2 * kTileBytes : 2 * kTileBytes;
+    stage = stage == kStages - 1 ? 0 : stage + 1;
+#pragma unroll
+    for (int n = 0; n < N; ++n) at[n] = at[n] + step;
+  }
+};
+
 // One k16 (bf16/f16) or k8 (tf32) step: the A fragment covers 32 bytes of k, as does B.
 template <typename T>
 __device__ __forceinline__ void mma_step(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -102,7 +129,7 @@ __device__ __forceinline__ void mma_step(float (&d)[4], const uint32_t (&a)[4], 
 // shared chunk dst and zero-fills the rest. `fallback` is a readable address used as the
 // source of copies that read nothing. CopyBytes: 16, 4, or 2 (plain loads, 2-byte types).
 template <typename T, int CopyBytes>
-__device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* src, int valid, const T* fallback) {
+__device__ __forceinline__ void copy_chunk(hw::SmemAddr dst, const T* src, int valid, const T* fallback) {
   constexpr int E = kChunkElems<T>;
   if constexpr (CopyBytes == 16) {
     hw::cp_async_cg16(dst, valid > 0 ? src : fallback, valid * static_cast<int>(sizeof(T)));
@@ -116,7 +143,7 @@ __device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* src, int
     }
   } else {
     static_assert(CopyBytes == 2 && sizeof(T) == 2, "2-byte copies are for 2-byte types");
-    T* d = reinterpret_cast<T*>(dst);
+    T* d = static_cast<T*>(dst.pointer());
 #pragma unroll
     for (int i = 0; i < E; ++i) d[i] = i < valid ? src[i] : T(0.f);
   }
@@ -125,20 +152,24 @@ __device__ __forceinline__ void copy_chunk(unsigned char* dst, const T* src, int
 // One thread's share of the copies of a plain slice (rows r < kBM of kChunks 16-byte
 // chunks, element (r, k) at src[r * ld + k]): chunk c = tid % kChunks of rows r = tid /
 // kChunks and r + 64 (kBM * kChunks / kThreads = 2 chunks a thread). Everything that does
-// not depend on the slice (the row pointers, the swizzled shared offset, the row bounds)
-// is formed once per kernel, so a slice costs two pointer adds, the k bound and the copies:
-// the K loops are issue-bound otherwise (python -m headwise.bench.sass counts the SASS).
-// A whole slice with 16-byte copies (every row in range, k_left >= kBK: the same for the
-// whole CTA) takes plain cp.async without bounds or zero fill; the narrower copy widths
-// keep the bounded copies only (a second path there costs registers, and they are the
-// misaligned fallbacks).
+// not depend on the slice (both rows' pointers, the swizzled shared offset, the row bounds)
+// is formed once per kernel. The copy sources of the next slice (cur0, cur1) are carried
+// from slice to slice: advance() moves them by a slice (two 64-bit adds), seek() sets them
+// at an offset (a head change). Carried values are what ptxas cannot rematerialize: values
+// it can recompute from the parameters and threadIdx it recomputes every slice under the
+// 128-register cap (python -m headwise.bench.sass counts the SASS; the K loops are
+// issue-bound otherwise). full(): a whole slice with 16-byte copies (every row in range
+// and k_left >= kBK; the caller decides, uniformly over the CTA) by plain cp.async without
+// bounds or zero fill. operator(): any slice, bounded and zero-filled.
 // Row r + 64 has the swizzle phase of row r ((r >> 1) & 3), so its chunk is 64 rows on.
 template <typename T, int CopyBytes>
 struct PlainSliceCopy {
   static_assert(kBM * kChunks == 2 * kThreads, "two chunks a thread, rows r and r + kBM / 2");
   static constexpr int kHalfRows = kBM / 2;
   const T* row0;    // src + r * ld + c * E
-  int64_t step;     // kHalfRows * ld
+  const T* row1;    // row0 + kHalfRows * ld
+  const T* cur0;    // the next slice's sources: row0, row1 + its offset
+  const T* cur1;
   int smem;         // swizzle(r, c)
   int c_elems;      // c * E
   bool ok0, ok1;    // rows r, r + 64 below rows_valid
@@ -148,26 +179,38 @@ struct PlainSliceCopy {
     const int r = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
     c_elems = c * kChunkElems<T>;
     row0 = src + r * ld + c_elems;
-    step = kHalfRows * ld;
+    row1 = row0 + kHalfRows * ld;
+    cur0 = row0;
+    cur1 = row1;
     smem = swizzle(r, c);
     ok0 = r < rows_valid;
     ok1 = r + kHalfRows < rows_valid;
     all_rows = rows_valid >= kBM;
   }
-  // The slice whose element (r, 0) is at src[r * ld + offset], with k_left elements of k
-  // left from it (the rest zero-filled); fallback: a readable address.
-  __device__ __forceinline__ void operator()(unsigned char* tile, int64_t offset, int k_left,
-                                             const T* fallback) const {
+  // The next slice: element (r, 0) offset_bytes past src + r * ld.
+  __device__ __forceinline__ void seek(int64_t offset_bytes) {
+    cur0 = hw::byte_offset(row0, offset_bytes);
+    cur1 = hw::byte_offset(row1, offset_bytes);
+  }
+  __device__ __forceinline__ void advance(int64_t bytes) {
+    cur0 = hw::byte_offset(cur0, bytes);
+    cur1 = hw::byte_offset(cur1, bytes);
+  }
+  // Whether full() may copy a slice with k_left elements of k left (uniform over the CTA).
+  __device__ __forceinline__ bool whole(int k_left) const { return CopyBytes == 16 && all_rows && k_left >= kBK<T>; }
+  __device__ __forceinline__ void full(hw::SmemAddr tile) const {
+    hw::cp_async_cg16_full(tile + smem, cur0);
+    hw::cp_async_cg16_full(tile + (smem + kHalfRows * kRowBytes), cur1);
+  }
+  // The next slice with k_left elements of k left in it (the rest zero-filled); fallback: a
+  // readable address.
+  __device__ __forceinline__ void operator()(hw::SmemAddr tile, int k_left, const T* fallback) const {
     constexpr int E = kChunkElems<T>;
-    if (CopyBytes == 16 && all_rows && k_left >= kBK<T>) {  // a whole slice (uniform over the CTA)
-      hw::cp_async_cg16_full(tile + smem, row0 + offset);
-      hw::cp_async_cg16_full(tile + smem + kHalfRows * kRowBytes, row0 + step + offset);
-      return;
-    }
+    if (whole(k_left)) return full(tile);
     const int left = k_left - c_elems;
     const int valid = left <= 0 ? 0 : (left >= E ? E : left);
-    copy_chunk<T, CopyBytes>(tile + smem, row0 + offset, ok0 ? valid : 0, fallback);
-    copy_chunk<T, CopyBytes>(tile + smem + kHalfRows * kRowBytes, row0 + step + offset, ok1 ? valid : 0, fallback);
+    copy_chunk<T, CopyBytes>(tile + smem, cur0, ok0 ? valid : 0, fallback);
+    copy_chunk<T, CopyBytes>(tile + (smem + kHalfRows * kRowBytes), cur1, ok1 ? valid : 0, fallback);
   }
 };
 
@@ -458,8 +501,9 @@ __global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_f
   constexpr int E = kChunkElems<T>;
   constexpr int BK = kBK<T>;
   unsigned char* smem = hw::dynamic_shared_memory();
-  auto a_tile = [&](int stage) { return smem + stage * 2 * kTileBytes; };
-  auto b_tile = [&](int stage) { return smem + stage * 2 * kTileBytes + kTileBytes; };
+  const hw::SmemAddr ring(smem);
+  auto a_tile = [&](int stage) { return ring + stage * 2 * kTileBytes; };
+  auto b_tile = [&](int stage) { return ring + (stage * 2 * kTileBytes + kTileBytes); };
   const int64_t tile = blockIdx.x;
   const int64_t tile_n = tile % p.n_tiles;
   const int64_t tile_q = (tile / p.n_tiles) % p.q_tiles;
@@ -492,19 +536,36 @@ __global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_f
   const float s = p.gate.scale(b);
   __syncthreads();
 
-  // The copy cursor: head and slice of the next slice to issue, and its ring stage.
-  const PlainSliceCopy<T, CopyBytes> copy_a(z, p.z_sq, rows_a), copy_b(w, p.ldw, rows_b);
+  // The copy cursor: rank and slice of the next slice to issue, its byte offsets in z and
+  // w (moved by a slice's bytes, set from the head order at a head change: no 64-bit
+  // product per slice), and its ring stage. whole: every slice of the CTA is a whole one
+  // (all rows in range, Dv a multiple of BK, 16-byte copies), one test per slice.
+  PlainSliceCopy<T, CopyBytes> copy_a(z, p.z_sq, rows_a), copy_b(w, p.ldw, rows_b);
   const int dv = static_cast<int>(p.dv);
+  const bool whole = copy_a.whole(BK) && copy_b.whole(BK) && dv % BK == 0;
+  constexpr int64_t kSize = sizeof(T);
   int issue_rank = 0, issue_slice = 0, issue_stage = 0;
+  auto seek_head = [&](int64_t h) {
+    copy_a.seek(h * p.z_sh * kSize);
+    copy_b.seek(h * p.dv * kSize);
+  };
+  if (open > 0) seek_head(order[0]);
   auto issue = [&](int kt) {
     if (kt < k_tiles) {
-      const int64_t issue_h = order[issue_rank];
-      const int k = issue_slice * BK;
-      copy_a(a_tile(issue_stage), issue_h * p.z_sh + k, dv - k, z);
-      copy_b(b_tile(issue_stage), issue_h * p.dv + k, dv - k, w);
+      if (whole) {
+        copy_a.full(a_tile(issue_stage));
+        copy_b.full(b_tile(issue_stage));
+      } else {
+        const int k_left = dv - issue_slice * BK;
+        copy_a(a_tile(issue_stage), k_left, z);
+        copy_b(b_tile(issue_stage), k_left, w);
+      }
       if (++issue_slice == slices) {
         issue_slice = 0;
-        ++issue_rank;
+        if (++issue_rank < open) seek_head(order[issue_rank]);
+      } else {
+        copy_a.advance(BK * kSize);
+        copy_b.advance(BK * kSize);
       }
       issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
     }
@@ -522,13 +583,20 @@ __global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_f
   // mma order for both the k16 16-bit and the k8 tf32 fragments. B ([n][k] rows, two n8
   // tiles): matrix i covers n rows (i >> 1) * 8.. and chunk i & 1, giving b0, b1 of n
   // tile 2j and of n tile 2j + 1.
+  // The lane's ldmatrix addresses, per 16-deep step ks: A's at ld.at[ks], B's at
+  // ld.at[2 + ks] (StageAddresses). Rows i * 16 and j * 8 further keep the swizzle phase
+  // ((row >> 1) & 3), so mma tile i of A is i * 16 rows on and n tile j of B j * 8 rows
+  // on: immediates of the ldmatrix.
+  static_assert(kChunks / 2 == 2, "two 16-deep steps a slice");
   const int quad = lane / 8, row_in_quad = lane % 8;
   const int a_row = (quad & 1) * 8 + row_in_quad, a_chunk = quad >> 1;
   const int b_row = (quad >> 1) * 8 + row_in_quad, b_chunk = quad & 1;
+  StageAddresses<4> ld(ring, {swizzle(wm + a_row, a_chunk), swizzle(wm + a_row, 2 + a_chunk),
+                              kTileBytes + swizzle(wn + b_row, b_chunk), kTileBytes + swizzle(wn + b_row, 2 + b_chunk)});
 
   // The compute cursor: alpha of the head being accumulated (acc holds the sum scaled
   // by 1 / alpha_cur).
-  int comp_rank = -1, comp_slice = slices - 1, comp_stage = 0;
+  int comp_rank = -1, comp_slice = slices - 1;
   float alpha_cur = 1.f;
   // Stats: this thread's share of row zrow's sum of squares of Z (2 of its 4 chunks).
   static_assert(!Stats || (kThreads == 2 * kBM && kChunks == 4), "two threads per row, two chunks each");
@@ -542,14 +610,11 @@ __global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_f
     hw::cp_async_wait<kStages - 2>();
     __syncthreads();
     issue(kt + kStages - 1);
-    const unsigned char* at = a_tile(comp_stage);
-    const unsigned char* bt = b_tile(comp_stage);
-    comp_stage = comp_stage == kStages - 1 ? 0 : comp_stage + 1;
     if constexpr (Stats) {
       if (tile_n == 0 && kt < slices) {  // the first pseudo-head's slices are Z_hs itself
 #pragma unroll 1  // rolled: unrolled, the 2-byte-copy variant spills 8 bytes on sm_80
         for (int c = zchunk; c < zchunk + 2; ++c) {
-          const hw::Pack<T, E> x = hw::load_pack<T, E>(reinterpret_cast<const T*>(at + swizzle(zrow, c)));
+          const hw::Pack<T, E> x = hw::load_pack<T, E>(static_cast<const T*>((a_tile(ld.stage) + swizzle(zrow, c)).pointer()));
 #pragma unroll
           for (int e = 0; e < E; ++e) {
             const float v = static_cast<float>(x.v[e]);
@@ -562,11 +627,11 @@ __global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_f
     for (int ks = 0; ks < kChunks / 2; ++ks) {
       uint32_t fa[kMmaM][4], fb[kMmaN][2];
 #pragma unroll
-      for (int i = 0; i < kMmaM; ++i) hw::ldmatrix<4>(fa[i], at + swizzle(wm + i * 16 + a_row, ks * 2 + a_chunk));
+      for (int i = 0; i < kMmaM; ++i) hw::ldmatrix<4>(fa[i], ld.at[ks] + i * 16 * kRowBytes);
 #pragma unroll
       for (int j = 0; j < kMmaN; j += 2) {
         uint32_t r[4];
-        hw::ldmatrix<4>(r, bt + swizzle(wn + j * 8 + b_row, ks * 2 + b_chunk));
+        hw::ldmatrix<4>(r, ld.at[2 + ks] + j * 8 * kRowBytes);
         fb[j][0] = r[0];
         fb[j][1] = r[1];
         fb[j + 1][0] = r[2];
@@ -577,6 +642,7 @@ __global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_f
 #pragma unroll
         for (int j = 0; j < kMmaN; ++j) mma_step<T>(acc[i][j], fa[i], fb[j]);
     }
+    ld.next();
   }
   hw::cp_async_wait<0>();  // only empty groups remain; leave no copy in flight at exit
 
@@ -656,7 +722,7 @@ __device__ __forceinline__ int swizzle_t(int row, int chunk) { return row * kTra
 // One thread's share of the copies of a transposed slice (kTransK rows of k, 16 chunks of
 // 8 elements of n each: element (k, n) at src[k * ld + n], columns n < n_cols): chunk c =
 // tid % 16 of k rows r = tid / 16 and r + 16. As PlainSliceCopy, the per-kernel part is
-// formed once; a slice costs two pointer adds, the k bound and the copies. Row r + 16 has
+// formed once; a slice costs two 64-bit adds and the copies. Row r + 16 has
 // the swizzle phase of row r (r & 7).
 template <typename T, int CopyBytes>
 struct TransSliceCopy {
@@ -664,7 +730,9 @@ struct TransSliceCopy {
   static constexpr int kHalfRows = kTransK / 2;
   static_assert(kTransK * kRowChunks == 2 * kThreads, "two chunks a thread, k rows r and r + 16");
   const T* row0;    // src + r * ld + c * 8
-  int64_t step;     // kHalfRows * ld
+  const T* row1;    // row0 + kHalfRows * ld
+  const T* cur0;    // the next slice's sources: row0, row1 + its offset
+  const T* cur1;
   int smem;         // swizzle_t(r, c)
   int r;
   int valid_n;      // elements of chunk c below n_cols (0..8)
@@ -674,46 +742,61 @@ struct TransSliceCopy {
     r = static_cast<int>(threadIdx.x) / kRowChunks;
     const int c = static_cast<int>(threadIdx.x) % kRowChunks;
     row0 = src + r * ld + c * 8;
-    step = kHalfRows * ld;
+    row1 = row0 + kHalfRows * ld;
+    cur0 = row0;
+    cur1 = row1;
     smem = swizzle_t(r, c);
     const int64_t left = n_cols - c * 8;
     valid_n = left <= 0 ? 0 : (left >= 8 ? 8 : static_cast<int>(left));
     all_cols = n_cols >= kRowChunks * 8;
   }
-  // The slice whose row k = 0 starts at src + offset, with k_rows rows of k left (the
-  // rest zero-filled); fallback: a readable address.
-  __device__ __forceinline__ void operator()(unsigned char* tile, int64_t offset, int k_rows,
-                                             const T* fallback) const {
-    if (CopyBytes == 16 && all_cols && k_rows >= kTransK) {  // a whole slice (uniform over the CTA)
-      hw::cp_async_cg16_full(tile + smem, row0 + offset);
-      hw::cp_async_cg16_full(tile + smem + kHalfRows * kTransRowBytes, row0 + step + offset);
-      return;
-    }
-    copy_chunk<T, CopyBytes>(tile + smem, row0 + offset, r < k_rows ? valid_n : 0, fallback);
-    copy_chunk<T, CopyBytes>(tile + smem + kHalfRows * kTransRowBytes, row0 + step + offset,
-                             r + kHalfRows < k_rows ? valid_n : 0, fallback);
+  // The next slice: its row k = 0 offset_bytes past src.
+  __device__ __forceinline__ void seek(int64_t offset_bytes) {
+    cur0 = hw::byte_offset(row0, offset_bytes);
+    cur1 = hw::byte_offset(row1, offset_bytes);
+  }
+  __device__ __forceinline__ void advance(int64_t bytes) {
+    cur0 = hw::byte_offset(cur0, bytes);
+    cur1 = hw::byte_offset(cur1, bytes);
+  }
+  // Whether full() may copy a slice with k_rows rows of k left (uniform over the CTA).
+  __device__ __forceinline__ bool whole(int k_rows) const { return CopyBytes == 16 && all_cols && k_rows >= kTransK; }
+  __device__ __forceinline__ void full(hw::SmemAddr tile) const {
+    hw::cp_async_cg16_full(tile + smem, cur0);
+    hw::cp_async_cg16_full(tile + (smem + kHalfRows * kTransRowBytes), cur1);
+  }
+  // The next slice with k_rows rows of k left in it (the rest zero-filled); fallback: a
+  // readable address.
+  __device__ __forceinline__ void operator()(hw::SmemAddr tile, int k_rows, const T* fallback) const {
+    if (whole(k_rows)) return full(tile);
+    copy_chunk<T, CopyBytes>(tile + smem, cur0, r < k_rows ? valid_n : 0, fallback);
+    copy_chunk<T, CopyBytes>(tile + (smem + kHalfRows * kTransRowBytes), cur1, r + kHalfRows < k_rows ? valid_n : 0,
+                             fallback);
   }
 };
 
-// B fragments of n tiles j, j + 1 (16 columns from n_col) for the 16 k rows from k_row of a
-// transposed slice.
-__device__ __forceinline__ void ldmatrix_b_trans(uint32_t (&b0)[2], uint32_t (&b1)[2], const unsigned char* tile,
-                                                 int k_row, int n_col, int lane) {
+// ldmatrix.x4.trans of a transposed slice, 16 k rows from k_row (a multiple of 16: k rows 16
+// further keep the swizzle phase, so the same lane offset serves every k step at + k_row *
+// kTransRowBytes):
+//   B fragments of n tiles j, j + 1 (16 columns from n_col): lane offset b_trans_lane(n_col),
+//   matrices (k 0-7 | k 8-15) x (n 0-7 | n 8-15) give b0 = {r0, r1}, b1 = {r2, r3};
+//   A fragment (16 m rows from m_row; stored [k][m]): lane offset a_trans_lane(m_row), a0 (m
+//   0-7, k 0-7), a1 (m 8-15, k 0-7), a2 (m 0-7, k 8-15), a3 (m 8-15, k 8-15).
+__device__ __forceinline__ int b_trans_lane(int n_col, int lane) {
   const int quad = lane / 8;
+  return swizzle_t((quad & 1) * 8 + lane % 8, n_col / 8 + (quad >> 1));
+}
+__device__ __forceinline__ int a_trans_lane(int m_row, int lane) {
+  const int quad = lane / 8;
+  return swizzle_t((quad >> 1) * 8 + lane % 8, m_row / 8 + (quad & 1));
+}
+__device__ __forceinline__ void ldmatrix_b_trans(uint32_t (&b0)[2], uint32_t (&b1)[2], hw::SmemAddr lane_address) {
   uint32_t r[4];
-  hw::ldmatrix<4, true>(r, tile + swizzle_t(k_row + (quad & 1) * 8 + lane % 8, n_col / 8 + (quad >> 1)));
+  hw::ldmatrix<4, true>(r, lane_address);
   b0[0] = r[0];
   b0[1] = r[1];
   b1[0] = r[2];
   b1[1] = r[3];
-}
-
-// A fragment (16 m rows from m_row x 16 k rows from k_row) of a transposed slice
-// (stored [k][m]): a0 (m 0-7, k 0-7), a1 (m 8-15, k 0-7), a2 (m 0-7, k 8-15), a3 (m 8-15, k 8-15).
-__device__ __forceinline__ void ldmatrix_a_trans(uint32_t (&a)[4], const unsigned char* tile, int k_row, int m_row,
-                                                 int lane) {
-  const int quad = lane / 8;
-  hw::ldmatrix<4, true>(a, tile + swizzle_t(k_row + (quad >> 1) * 8 + lane % 8, m_row / 8 + (quad & 1)));
 }
 
 struct TcBwdParams {
@@ -740,8 +823,9 @@ struct TcBwdParams {
 template <typename T, int CopyBytes>
 __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwdParams p) {
   unsigned char* smem = hw::dynamic_shared_memory();
-  auto a_tile = [&](int stage) { return smem + stage * 2 * kTileBytes; };
-  auto b_tile = [&](int stage) { return smem + stage * 2 * kTileBytes + kTileBytes; };
+  const hw::SmemAddr ring(smem);
+  auto a_tile = [&](int stage) { return ring + stage * 2 * kTileBytes; };
+  auto b_tile = [&](int stage) { return ring + (stage * 2 * kTileBytes + kTileBytes); };
   __shared__ float red[64];
   const int64_t tile = blockIdx.x;
   const int64_t tile_n = tile % p.dv_tiles;
@@ -761,17 +845,17 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwd
   const int d = static_cast<int>(p.d);
   const int k_tiles = (g != 0.f || need_c) ? (d + kTransK - 1) / kTransK : 0;
 
-  const PlainSliceCopy<T, CopyBytes> copy_a(dy, p.d, rows);
-  const TransSliceCopy<T, CopyBytes> copy_b(w, p.ldw, cols);
-  const int64_t w_step = kTransK * p.ldw;  // W rows per slice
+  PlainSliceCopy<T, CopyBytes> copy_a(dy, p.d, rows);
+  TransSliceCopy<T, CopyBytes> copy_b(w, p.ldw, cols);
+  const int64_t w_step = kTransK * p.ldw * static_cast<int64_t>(sizeof(T));  // bytes of W rows per slice
   int issue_stage = 0;
-  int64_t w_offset = 0;
   auto issue = [&](int kt) {
     if (kt < k_tiles) {
       const int k0 = kt * kTransK;
-      copy_a(a_tile(issue_stage), k0, d - k0, dy);
-      copy_b(b_tile(issue_stage), w_offset, d - k0, w);
-      w_offset += w_step;
+      copy_a(a_tile(issue_stage), d - k0, dy);
+      copy_b(b_tile(issue_stage), d - k0, w);
+      copy_a.advance(kTransK * static_cast<int64_t>(sizeof(T)));
+      copy_b.advance(w_step);
       issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
     }
     hw::cp_async_commit();
@@ -780,28 +864,31 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwd
   zero_accumulators(acc);
 #pragma unroll
   for (int kt = 0; kt < kStages - 1; ++kt) issue(kt);
+  // The lane's ldmatrix addresses (StageAddresses): A (plain) per 16-deep step ks at
+  // ld.at[ks], mma tile i 16 rows on; B (transposed) per n tile pair j / 2 at ld.at[2 + j / 2],
+  // step ks 16 k rows on.
+  static_assert(kTransK / 16 == 2 && kMmaN == 4, "two 16-deep steps and two B tile pairs");
   const int quad = lane / 8, row_in_quad = lane % 8;
   const int a_row = (quad & 1) * 8 + row_in_quad, a_chunk = quad >> 1;
-  int comp_stage = 0;
+  StageAddresses<4> ld(ring, {swizzle(wm + a_row, a_chunk), swizzle(wm + a_row, 2 + a_chunk),
+                              kTileBytes + b_trans_lane(wn, lane), kTileBytes + b_trans_lane(wn + 16, lane)});
   for (int kt = 0; kt < k_tiles; ++kt) {
     hw::cp_async_wait<kStages - 2>();
     __syncthreads();
     issue(kt + kStages - 1);
-    const unsigned char* at = a_tile(comp_stage);
-    const unsigned char* bt = b_tile(comp_stage);
-    comp_stage = comp_stage == kStages - 1 ? 0 : comp_stage + 1;
 #pragma unroll
     for (int ks = 0; ks < kTransK / 16; ++ks) {
       uint32_t fa[kMmaM][4], fb[kMmaN][2];
 #pragma unroll
-      for (int i = 0; i < kMmaM; ++i) hw::ldmatrix<4>(fa[i], at + swizzle(wm + i * 16 + a_row, ks * 2 + a_chunk));
+      for (int i = 0; i < kMmaM; ++i) hw::ldmatrix<4>(fa[i], ld.at[ks] + i * 16 * kRowBytes);
 #pragma unroll
-      for (int j = 0; j < kMmaN; j += 2) ldmatrix_b_trans(fb[j], fb[j + 1], bt, ks * 16, wn + j * 8, lane);
+      for (int j = 0; j < kMmaN; j += 2) ldmatrix_b_trans(fb[j], fb[j + 1], ld.at[2 + j / 2] + ks * 16 * kTransRowBytes);
 #pragma unroll
       for (int i = 0; i < kMmaM; ++i)
 #pragma unroll
         for (int j = 0; j < kMmaN; ++j) mma_step<T>(acc[i][j], fa[i], fb[j]);
     }
+    ld.next();
   }
   hw::cp_async_wait<0>();
 
@@ -832,8 +919,9 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwd
 template <typename T, int CopyBytes>
 __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwdParams p) {
   unsigned char* smem = hw::dynamic_shared_memory();
-  auto a_tile = [&](int stage) { return smem + stage * 2 * kTileBytes; };
-  auto b_tile = [&](int stage) { return smem + stage * 2 * kTileBytes + kTileBytes; };
+  const hw::SmemAddr ring(smem);
+  auto a_tile = [&](int stage) { return ring + stage * 2 * kTileBytes; };
+  auto b_tile = [&](int stage) { return ring + (stage * 2 * kTileBytes + kTileBytes); };
   const int64_t tile = blockIdx.x;
   const int64_t tile_n = tile % p.dv_tiles;
   const int64_t tile_m = (tile / p.dv_tiles) % p.d_tiles;
@@ -854,23 +942,28 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
   // Open batch rows in ascending |gate| order (as the forward's heads). The issue cursor
   // keeps the offsets of its slice in dy and z and moves them by 32 rows a slice.
   const auto gate_of_row = [&](int64_t bb) { return p.gate.at(bb, h); };
-  const TransSliceCopy<T, CopyBytes> copy_a(dy, p.d, rows_m), copy_b(z, p.z_sq, cols);
-  const int64_t dy_step = kTransK * p.d, z_step = kTransK * p.z_sq;
+  TransSliceCopy<T, CopyBytes> copy_a(dy, p.d, rows_m), copy_b(z, p.z_sq, cols);
+  constexpr int64_t kSize = sizeof(T);
+  const int64_t dy_step = kTransK * p.d * kSize, z_step = kTransK * p.z_sq * kSize;  // bytes per slice
+  auto seek_row = [&](int64_t bb) {
+    copy_a.seek(bb * p.seq * p.d * kSize);
+    copy_b.seek(bb * p.z_sb * kSize);
+  };
   int64_t issue_b = next_open_ascending(gate_of_row, p.batch, -1);
   int issue_slice = 0, issue_stage = 0;
-  int64_t dy_offset = issue_b * p.seq * p.d, z_offset = issue_b * p.z_sb;
+  if (issue_b < p.batch) seek_row(issue_b);
   auto issue = [&](int kt) {
     if (kt < k_tiles) {
       const int q_left = seq - issue_slice * kTransK;
-      copy_a(a_tile(issue_stage), dy_offset, q_left, dy);
-      copy_b(b_tile(issue_stage), z_offset, q_left, z);
-      dy_offset += dy_step;
-      z_offset += z_step;
+      copy_a(a_tile(issue_stage), q_left, dy);
+      copy_b(b_tile(issue_stage), q_left, z);
       if (++issue_slice == q_slices) {
         issue_slice = 0;
         issue_b = next_open_ascending(gate_of_row, p.batch, issue_b);
-        dy_offset = issue_b * p.seq * p.d;
-        z_offset = issue_b * p.z_sb;
+        if (issue_b < p.batch) seek_row(issue_b);
+      } else {
+        copy_a.advance(dy_step);
+        copy_b.advance(z_step);
       }
       issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
     }
@@ -880,8 +973,14 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
   zero_accumulators(acc);
 #pragma unroll
   for (int kt = 0; kt < kStages - 1; ++kt) issue(kt);
+  // The lane's ldmatrix addresses (StageAddresses; both operands transposed): A per mma
+  // tile i at ld.at[i], B per n tile pair j / 2 at ld.at[kMmaM + j / 2], step ks 16 k rows on.
+  static_assert(kMmaM == 4 && kMmaN == 4, "four A tiles and two B tile pairs");
+  StageAddresses<6> ld(ring, {a_trans_lane(wm, lane), a_trans_lane(wm + 16, lane), a_trans_lane(wm + 32, lane),
+                              a_trans_lane(wm + 48, lane), kTileBytes + b_trans_lane(wn, lane),
+                              kTileBytes + b_trans_lane(wn + 16, lane)});
   int64_t comp_b = -1;
-  int comp_slice = q_slices - 1, comp_stage = 0;
+  int comp_slice = q_slices - 1;
   float alpha_cur = 1.f;
   for (int kt = 0; kt < k_tiles; ++kt) {
     if (++comp_slice == q_slices) {
@@ -892,21 +991,19 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
     hw::cp_async_wait<kStages - 2>();
     __syncthreads();
     issue(kt + kStages - 1);
-    const unsigned char* at = a_tile(comp_stage);
-    const unsigned char* bt = b_tile(comp_stage);
-    comp_stage = comp_stage == kStages - 1 ? 0 : comp_stage + 1;
 #pragma unroll
     for (int ks = 0; ks < kTransK / 16; ++ks) {
       uint32_t fa[kMmaM][4], fb[kMmaN][2];
 #pragma unroll
-      for (int i = 0; i < kMmaM; ++i) ldmatrix_a_trans(fa[i], at, ks * 16, wm + i * 16, lane);
+      for (int i = 0; i < kMmaM; ++i) hw::ldmatrix<4, true>(fa[i], ld.at[i] + ks * 16 * kTransRowBytes);
 #pragma unroll
-      for (int j = 0; j < kMmaN; j += 2) ldmatrix_b_trans(fb[j], fb[j + 1], bt, ks * 16, wn + j * 8, lane);
+      for (int j = 0; j < kMmaN; j += 2) ldmatrix_b_trans(fb[j], fb[j + 1], ld.at[kMmaM + j / 2] + ks * 16 * kTransRowBytes);
 #pragma unroll
       for (int i = 0; i < kMmaM; ++i)
 #pragma unroll
         for (int j = 0; j < kMmaN; ++j) mma_step<T>(acc[i][j], fa[i], fb[j]);
     }
+    ld.next();
   }
   hw::cp_async_wait<0>();
 

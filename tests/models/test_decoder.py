@@ -114,8 +114,19 @@ def test_delta_modes_gradients_as_accurate_as_reference(host_backend, kw):
     ref_loss, ref_grads = reference_loss_and_grads(models[0], tokens)
     _, truth = reference_loss_and_grads(models[1], tokens)
     assert rel_err(loss, ref_loss) <= TOL
-    fused_err = {n: rel_err(grads[n], truth[n]) for n in grads}
-    ref_err = {n: rel_err(ref_grads[n], truth[n]) for n in grads}
+    # Errors relative to max(|truth_n|, 1e-3 max_m |truth_m|): a gradient far below the
+    # model's scale is what remains of cancelling terms of that scale (the last router's
+    # gate here: |g| ~ 5e-6 where the others are 1e-3 to 3e-2), so its own relative error
+    # measures rounding of those terms in whichever order each side sums them: 1.4e-5 for
+    # the fp32 reference, 6e-5 / 1.6e-4 fused, on torch's AVX512 / AVX2 kernels (its
+    # absolute error, 3e-10, is below the other parameters').
+    scale = 1e-3 * max(t.abs().max().item() for t in truth.values())
+
+    def err(actual, expected):
+        return (actual.double() - expected.double()).abs().max().item() / max(expected.abs().max().item(), scale)
+
+    fused_err = {n: err(grads[n], truth[n]) for n in grads}
+    ref_err = {n: err(ref_grads[n], truth[n]) for n in grads}
     # Measured: fused/reference error ratios have a geometric mean of 0.9-1.3 over the
     # parameters, and the worst fused error is 0.2-2.1x the worst reference error.
     ratios = [max(fused_err[n], 1e-9) / max(ref_err[n], 1e-9) for n in grads]
