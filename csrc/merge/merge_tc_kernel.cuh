@@ -17,7 +17,7 @@
 //   in place by cp.async (the gather is the load), 16-byte copies when every address is
 //   16-byte aligned, else 4-byte copies, else (2-byte types at odd element offsets)
 //   plain 2-byte loads and shared stores (CopyBytes, chosen by the host).
-//   8 warps as 2 (M) x 4 (N), warp tile 64 x 32, mma.sync m16n8k16 bf16/f16 (or m16n8k8
+//   4 warps as 2 (M) x 2 (N), warp tile 64 x 64, mma.sync m16n8k16 bf16/f16 (or m16n8k8
 //   tf32 for fp32 inputs when torch allows TF32 matmuls), fp32 accumulators; operands
 //   come by ldmatrix.x4 from a swizzled 3-stage shared ring (the layout and pipeline of
 //   csrc/gemm/sample_gemm_kernel.cuh: 64-byte rows, chunk c of row r at c ^ ((r >> 1) & 3),
@@ -45,11 +45,16 @@
 // the H200 model of python/headwise/bench/sim_profile.py; nothing measured on a GPU)
 //   FLOPs 2 B Q H Dv D = 550 GFLOP; unique bytes 2 (B Q H Dv + D H Dv + B Q D) = 302 MB.
 //   Per CTA and k slice: 2 * 128 * 128 * 32 = 1.05 MFLOP for 16 KiB of L2 reads, i.e. 64
-//   FLOP per L2 byte; 4096 CTAs; mma-bound (~0.85 ms at 65% of the bf16 dense peak) like
-//   the sample GEMM: per warp and 16-deep step 6 ldmatrix.x4 feed 16 mma.
-//   Issue: a steady K iteration (one slice: 32 HMMA, 12 LDSM, 4 LDGSTS per warp) is ~100
-//   instructions on sm_90 (python -m headwise.bench.sass), 3.2 per HMMA, under the sample
-//   GEMM's 3.9: the copy sources and ldmatrix addresses are carried from slice to slice
+//   FLOP per L2 byte; 4096 CTAs; mma-bound (~0.85 ms at 65% of the bf16 dense peak).
+//   Shared memory: per warp and 16-deep step 8 ldmatrix.x4 (4 of A, 4 of B) feed 32 mma,
+//   1 wavefront per mma, plus the slice's copies (0.5 per mma). The 64 x 64 warp tile
+//   is what keeps this under the mma rate: with 8 warps of 64 x 32 (the sample GEMM's
+//   layout) it was 1.5 + 0.5 per mma, the bound of the estimate (python -m headwise.bench
+//   --sim-profile merge). Registers: 128 accumulators a thread, ~240 in all (255 cap,
+//   2 CTAs of 128 threads per SM: 8 warps, each with 32 independent mma per step).
+//   Issue: a steady K iteration (one slice: 64 HMMA, 16 LDSM, 8 LDGSTS per warp) is ~130
+//   instructions on sm_90 (python -m headwise.bench.sass), ~2 per HMMA (the sample GEMM:
+//   3.9): the copy sources and ldmatrix addresses are carried from slice to slice
 //   (PlainSliceCopy, StageAddresses) and the ring is addressed as 32-bit shared addresses
 //   (hw::SmemAddr), so the loop recomputes no address from threadIdx or the parameters.
 #pragma once
@@ -74,10 +79,10 @@ constexpr int kBM = 128, kBN = 128;
 constexpr int kChunks = 4;        // 16-byte chunks per shared row (64-byte rows)
 constexpr int kRowBytes = 16 * kChunks;
 constexpr int kStages = 3;
-constexpr int kWarpsM = 2, kWarpsN = 4;
+constexpr int kWarpsM = 2, kWarpsN = 2;
 constexpr int kThreads = 32 * kWarpsM * kWarpsN;
-constexpr int kWarpM = kBM / kWarpsM, kWarpN = kBN / kWarpsN;  // 64 x 32
-constexpr int kMmaM = kWarpM / 16, kMmaN = kWarpN / 8;           // 4 x 4 mma tiles per warp
+constexpr int kWarpM = kBM / kWarpsM, kWarpN = kBN / kWarpsN;  // 64 x 64
+constexpr int kMmaM = kWarpM / 16, kMmaN = kWarpN / 8;           // 4 x 8 mma tiles per warp
 constexpr int kTileBytes = kBM * kRowBytes;                      // one operand slice, 8 KiB
 constexpr size_t kSmemBytes = static_cast<size_t>(kStages) * 2 * kTileBytes;  // 48 KiB
 static_assert(kBM == kBN, "A and B slices share one shape");
@@ -149,58 +154,66 @@ __device__ __forceinline__ void copy_chunk(hw::SmemAddr dst, const T* src, int v
   }
 }
 
-// One thread's share of the copies of a plain slice (rows r < kBM of kChunks 16-byte
-// chunks, element (r, k) at src[r * ld + k]): chunk c = tid % kChunks of rows r = tid /
-// kChunks and r + 64 (kBM * kChunks / kThreads = 2 chunks a thread). Everything that does
-// not depend on the slice (both rows' pointers, the swizzled shared offset, the row bounds)
-// is formed once per kernel. The copy sources of the next slice (cur0, cur1) are carried
-// from slice to slice: advance() moves them by a slice (two 64-bit adds), seek() sets them
-// at an offset (a head change). Carried values are what ptxas cannot rematerialize: values
-// it can recompute from the parameters and threadIdx it recomputes every slice under the
-// 128-register cap (python -m headwise.bench.sass counts the SASS; the K loops are
-// issue-bound otherwise). full(): a whole slice with 16-byte copies (every row in range
-// and k_left >= kBK; the caller decides, uniformly over the CTA) by plain cp.async without
-// bounds or zero fill. operator(): any slice, bounded and zero-filled.
-// Row r + 64 has the swizzle phase of row r ((r >> 1) & 3), so its chunk is 64 rows on.
-template <typename T, int CopyBytes>
-struct PlainSliceCopy {
-  static_assert(kBM * kChunks == 2 * kThreads, "two chunks a thread, rows r and r + kBM / 2");
-  static constexpr int kHalfRows = kBM / 2;
-  const T* row0;    // src + r * ld + c * E
-  const T* row1;    // row0 + kHalfRows * ld
-  const T* cur0;    // the next slice's sources: row0, row1 + its offset
-  const T* cur1;
-  int smem;         // swizzle(r, c)
-  int c_elems;      // c * E
-  bool ok0, ok1;    // rows r, r + 64 below rows_valid
-  bool all_rows;    // every row of the slice below rows_valid (the same for the whole CTA)
+// A thread's copy sources of the next slice: Rows rows RowStep apart (row stride ld) from
+// base, plus the slice's offset. They are carried from slice to slice: advance() moves
+// them by a slice (a 64-bit add each), seek() sets them at an offset from base (a head
+// change). Carried values are what ptxas cannot rematerialize: values it can recompute from
+// the parameters and threadIdx it recomputes every slice when registers are scarce (python
+// -m headwise.bench.sass counts the SASS; the K loops are issue-bound otherwise).
+template <typename T, int Rows, int RowStep>
+struct SliceSources {
+  const T* base;
+  int64_t ld;
+  const T* cur[Rows];
 
-  __device__ __forceinline__ PlainSliceCopy(const T* src, int64_t ld, int64_t rows_valid) {
-    const int r = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
-    c_elems = c * kChunkElems<T>;
-    row0 = src + r * ld + c_elems;
-    row1 = row0 + kHalfRows * ld;
-    cur0 = row0;
-    cur1 = row1;
-    smem = swizzle(r, c);
-    ok0 = r < rows_valid;
-    ok1 = r + kHalfRows < rows_valid;
-    all_rows = rows_valid >= kBM;
-  }
-  // The next slice: element (r, 0) offset_bytes past src + r * ld.
+  __device__ __forceinline__ SliceSources(const T* base_, int64_t ld_) : base(base_), ld(ld_) { seek(0); }
   __device__ __forceinline__ void seek(int64_t offset_bytes) {
-    cur0 = hw::byte_offset(row0, offset_bytes);
-    cur1 = hw::byte_offset(row1, offset_bytes);
+#pragma unroll
+    for (int i = 0; i < Rows; ++i) cur[i] = hw::byte_offset(base + i * RowStep * ld, offset_bytes);
   }
   __device__ __forceinline__ void advance(int64_t bytes) {
-    cur0 = hw::byte_offset(cur0, bytes);
-    cur1 = hw::byte_offset(cur1, bytes);
+#pragma unroll
+    for (int i = 0; i < Rows; ++i) cur[i] = hw::byte_offset(cur[i], bytes);
+  }
+};
+
+// One thread's share of the copies of a plain slice (rows r < kBM of kChunks 16-byte
+// chunks, element (r, k) at src[r * ld + k]): chunk c = tid % kChunks of rows r = tid /
+// kChunks + i * kRowStep, i < kRows (kBM * kChunks / kThreads chunks a thread; rows
+// kRowStep = 32 apart have the same swizzle phase (r >> 1) & 3, so their chunks are
+// kRowStep rows apart in shared memory). What does not depend on the slice (the swizzled
+// shared offset, the row bounds) is formed once per kernel; the sources are SliceSources
+// (element (r, 0) of the next slice at cur[0]). full(): a
+// whole slice with 16-byte copies (every row in range and k_left >= kBK; the caller
+// decides, uniformly over the CTA) by plain cp.async without bounds or zero fill.
+// operator(): any slice, bounded and zero-filled.
+template <typename T, int CopyBytes>
+struct PlainSliceCopy : SliceSources<T, kBM * kChunks / kThreads, kThreads / kChunks> {
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kRows = kBM / kRowStep;
+  static_assert(kRows * kRowStep == kBM && kRowStep % 8 == 0, "whole rows a thread, one swizzle phase");
+  using SliceSources<T, kRows, kRowStep>::cur;
+  int smem;         // swizzle(r, c)
+  int c_elems;      // c * E
+  int64_t rows_left;  // rows_valid - r
+  bool all_rows;    // every row of the slice below rows_valid (the same for the whole CTA)
+
+  // r = tid / kChunks, c = tid % kChunks; the sources start at src + r * ld + c * E.
+  __device__ __forceinline__ PlainSliceCopy(const T* src, int64_t ld, int64_t rows_valid)
+      : SliceSources<T, kRows, kRowStep>(
+            src + static_cast<int>(threadIdx.x) / kChunks * ld + static_cast<int>(threadIdx.x) % kChunks * kChunkElems<T>,
+            ld) {
+    const int r = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
+    c_elems = c * kChunkElems<T>;
+    smem = swizzle(r, c);
+    rows_left = rows_valid - r;
+    all_rows = rows_valid >= kBM;
   }
   // Whether full() may copy a slice with k_left elements of k left (uniform over the CTA).
   __device__ __forceinline__ bool whole(int k_left) const { return CopyBytes == 16 && all_rows && k_left >= kBK<T>; }
   __device__ __forceinline__ void full(hw::SmemAddr tile) const {
-    hw::cp_async_cg16_full(tile + smem, cur0);
-    hw::cp_async_cg16_full(tile + (smem + kHalfRows * kRowBytes), cur1);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) hw::cp_async_cg16_full(tile + (smem + i * kRowStep * kRowBytes), cur[i]);
   }
   // The next slice with k_left elements of k left in it (the rest zero-filled); fallback: a
   // readable address.
@@ -209,8 +222,10 @@ struct PlainSliceCopy {
     if (whole(k_left)) return full(tile);
     const int left = k_left - c_elems;
     const int valid = left <= 0 ? 0 : (left >= E ? E : left);
-    copy_chunk<T, CopyBytes>(tile + smem, cur0, ok0 ? valid : 0, fallback);
-    copy_chunk<T, CopyBytes>(tile + (smem + kHalfRows * kRowBytes), cur1, ok1 ? valid : 0, fallback);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+      copy_chunk<T, CopyBytes>(tile + (smem + i * kRowStep * kRowBytes), cur[i], i * kRowStep < rows_left ? valid : 0,
+                               fallback);
   }
 };
 
@@ -491,13 +506,9 @@ inline size_t fwd_smem_bytes(int64_t heads) {
 // A slices of the first pseudo-head already in shared memory (zsq).
 // Budget at the target shape (ESTIMATE): 2 * B Q H Dv * 2 Dv = 34 GFLOP (6% of the
 // merge's), Z read once more (134 MB), [B, Q, H] floats written.
-// Two CTAs per SM (128 registers a thread) for the 16-byte copies; the narrower copy
-// widths (misaligned fallbacks) would spill under that cap on sm_90 and get ptxas's choice.
-template <int CopyBytes>
-constexpr int kFwdMinCtas = CopyBytes == 16 ? 2 : 1;
-
+// Two CTAs of kThreads per SM (up to 255 registers a thread; python -m headwise.bench.ptxas).
 template <typename T, int CopyBytes, bool Stats = false>
-__global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_fwd_tc_kernel(TcFwdParams p) {
+__global__ void __launch_bounds__(kThreads, 2) head_merge_fwd_tc_kernel(TcFwdParams p) {
   constexpr int E = kChunkElems<T>;
   constexpr int BK = kBK<T>;
   unsigned char* smem = hw::dynamic_shared_memory();
@@ -598,9 +609,9 @@ __global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_f
   // by 1 / alpha_cur).
   int comp_rank = -1, comp_slice = slices - 1;
   float alpha_cur = 1.f;
-  // Stats: this thread's share of row zrow's sum of squares of Z (2 of its 4 chunks).
-  static_assert(!Stats || (kThreads == 2 * kBM && kChunks == 4), "two threads per row, two chunks each");
-  const int zrow = threadIdx.x >> 1, zchunk = (threadIdx.x & 1) * 2;
+  // Stats: row zrow = threadIdx.x's sum of squares of Z (its kChunks chunks).
+  static_assert(!Stats || kThreads == kBM, "a thread per row");
+  const int zrow = threadIdx.x;
   float zss = 0.f;
   for (int kt = 0; kt < k_tiles; ++kt) {
     if (++comp_slice == slices) {  // the next open head
@@ -613,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_f
     if constexpr (Stats) {
       if (tile_n == 0 && kt < slices) {  // the first pseudo-head's slices are Z_hs itself
 #pragma unroll 1  // rolled: unrolled, the 2-byte-copy variant spills 8 bytes on sm_80
-        for (int c = zchunk; c < zchunk + 2; ++c) {
+        for (int c = 0; c < kChunks; ++c) {
           const hw::Pack<T, E> x = hw::load_pack<T, E>(static_cast<const T*>((a_tile(ld.stage) + swizzle(zrow, c)).pointer()));
 #pragma unroll
           for (int e = 0; e < E; ++e) {
@@ -651,7 +662,6 @@ __global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_f
     // Row sums of squares of acc (alpha is 1: no gate): over the thread's columns, its quad
     // (the 4 lanes of a row), then the kWarpsN warps of the row in a fixed order, through
     // the (now idle) operand ring.
-    zss += __shfl_xor_sync(0xffffffffu, zss, 1);
     __syncthreads();
     float* red = reinterpret_cast<float*>(smem);  // [kWarpsN][kBM]
 #pragma unroll
@@ -674,7 +684,7 @@ __global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_f
       for (int wn_i = 0; wn_i < kWarpsN; ++wn_i) ss += red[wn_i * kBM + r];
       p.osq_part[tile_n * stat_tile + stat0 + r * p.stats_heads] = ss * scale2;
     }
-    if (tile_n == 0 && (threadIdx.x & 1) == 0 && zrow < rows_a) p.zsq[stat0 + zrow * p.stats_heads] = zss;
+    if (tile_n == 0 && zrow < rows_a) p.zsq[stat0 + zrow * p.stats_heads] = zss;
     return;
   }
 
@@ -696,7 +706,7 @@ __global__ void __launch_bounds__(kThreads, kFwdMinCtas<CopyBytes>) head_merge_f
 // Backward on tensor cores (bf16/f16; fp32 keeps the SIMT kernels of merge_kernel.cuh).
 //   dZ[b,h] = alpha[b,h] P[b,h],  P[b,h] = dy_b @ W_h  [Q, Dv],  c[b,h] = <Z[b,h], P[b,h]>
 //   dW_h    = sum_b alpha[b,h] dy_b^T Z[b,h]  [D, Dv]
-// Both use the forward's CTA shape (128 x 128 tile, 8 warps of 64 x 32, 3-stage cp.async
+// Both use the forward's CTA shape (128 x 128 tile, 4 warps of 64 x 64, 3-stage cp.async
 // ring, 16 KiB per stage) and its staged epilogue (store_tile_staged: dZ in z's layout
 // and dW leave in 16-byte row stores where their rows are 16-byte aligned). The gate's
 // gradient term c (a partial per grad_z CTA) reads Z in 16-byte row chunks against P
@@ -721,57 +731,47 @@ __device__ __forceinline__ int swizzle_t(int row, int chunk) { return row * kTra
 
 // One thread's share of the copies of a transposed slice (kTransK rows of k, 16 chunks of
 // 8 elements of n each: element (k, n) at src[k * ld + n], columns n < n_cols): chunk c =
-// tid % 16 of k rows r = tid / 16 and r + 16. As PlainSliceCopy, the per-kernel part is
-// formed once; a slice costs two 64-bit adds and the copies. Row r + 16 has
-// the swizzle phase of row r (r & 7).
+// tid % 16 of k rows r = tid / 16 + i * kRowStep, i < kRows. As PlainSliceCopy: the
+// per-kernel part formed once, the sources carried from slice to slice (SliceSources, k
+// row r of the next slice at cur[0]). Rows kRowStep = 8 apart have the same swizzle phase
+// (r & 7).
 template <typename T, int CopyBytes>
-struct TransSliceCopy {
+struct TransSliceCopy : SliceSources<T, kTransK * (kTransRowBytes / 16) / kThreads, kThreads / (kTransRowBytes / 16)> {
   static constexpr int kRowChunks = kTransRowBytes / 16;
-  static constexpr int kHalfRows = kTransK / 2;
-  static_assert(kTransK * kRowChunks == 2 * kThreads, "two chunks a thread, k rows r and r + 16");
-  const T* row0;    // src + r * ld + c * 8
-  const T* row1;    // row0 + kHalfRows * ld
-  const T* cur0;    // the next slice's sources: row0, row1 + its offset
-  const T* cur1;
+  static constexpr int kRowStep = kThreads / kRowChunks;
+  static constexpr int kRows = kTransK / kRowStep;
+  static_assert(kRows * kRowStep == kTransK && kRowStep % 8 == 0, "whole k rows a thread, one swizzle phase");
+  using SliceSources<T, kRows, kRowStep>::cur;
   int smem;         // swizzle_t(r, c)
   int r;
   int valid_n;      // elements of chunk c below n_cols (0..8)
   bool all_cols;    // every column of the slice below n_cols (the same for the whole CTA)
 
-  __device__ __forceinline__ TransSliceCopy(const T* src, int64_t ld, int64_t n_cols) {
+  // r = tid / 16, c = tid % 16; the sources start at src + r * ld + c * 8.
+  __device__ __forceinline__ TransSliceCopy(const T* src, int64_t ld, int64_t n_cols)
+      : SliceSources<T, kRows, kRowStep>(
+            src + static_cast<int>(threadIdx.x) / kRowChunks * ld + static_cast<int>(threadIdx.x) % kRowChunks * 8, ld) {
     r = static_cast<int>(threadIdx.x) / kRowChunks;
     const int c = static_cast<int>(threadIdx.x) % kRowChunks;
-    row0 = src + r * ld + c * 8;
-    row1 = row0 + kHalfRows * ld;
-    cur0 = row0;
-    cur1 = row1;
     smem = swizzle_t(r, c);
     const int64_t left = n_cols - c * 8;
     valid_n = left <= 0 ? 0 : (left >= 8 ? 8 : static_cast<int>(left));
     all_cols = n_cols >= kRowChunks * 8;
   }
-  // The next slice: its row k = 0 offset_bytes past src.
-  __device__ __forceinline__ void seek(int64_t offset_bytes) {
-    cur0 = hw::byte_offset(row0, offset_bytes);
-    cur1 = hw::byte_offset(row1, offset_bytes);
-  }
-  __device__ __forceinline__ void advance(int64_t bytes) {
-    cur0 = hw::byte_offset(cur0, bytes);
-    cur1 = hw::byte_offset(cur1, bytes);
-  }
   // Whether full() may copy a slice with k_rows rows of k left (uniform over the CTA).
   __device__ __forceinline__ bool whole(int k_rows) const { return CopyBytes == 16 && all_cols && k_rows >= kTransK; }
   __device__ __forceinline__ void full(hw::SmemAddr tile) const {
-    hw::cp_async_cg16_full(tile + smem, cur0);
-    hw::cp_async_cg16_full(tile + (smem + kHalfRows * kTransRowBytes), cur1);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) hw::cp_async_cg16_full(tile + (smem + i * kRowStep * kTransRowBytes), cur[i]);
   }
   // The next slice with k_rows rows of k left in it (the rest zero-filled); fallback: a
   // readable address.
   __device__ __forceinline__ void operator()(hw::SmemAddr tile, int k_rows, const T* fallback) const {
     if (whole(k_rows)) return full(tile);
-    copy_chunk<T, CopyBytes>(tile + smem, cur0, r < k_rows ? valid_n : 0, fallback);
-    copy_chunk<T, CopyBytes>(tile + (smem + kHalfRows * kTransRowBytes), cur1, r + kHalfRows < k_rows ? valid_n : 0,
-                             fallback);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+      copy_chunk<T, CopyBytes>(tile + (smem + i * kRowStep * kTransRowBytes), cur[i],
+                               r + i * kRowStep < k_rows ? valid_n : 0, fallback);
   }
 };
 
@@ -817,9 +817,7 @@ struct TcBwdParams {
 // grad_z and c: grid (B * H * q_tiles * dv_tiles), kThreads threads, kSmemBytes:
 // blockIdx.x = ((b * H + h) * q_tiles + q tile) * dv_tiles + Dv tile. K loop over D in
 // 32-deep slices: A = dy_b rows (plain), B = W[k, h*Dv + n] (transposed slice).
-// Two CTAs per SM (2 x 48 KiB of shared memory, 128 registers a thread): without the
-// bound, ptxas gives the sm_80 build ~156 registers once the c epilogue is there (1 CTA
-// per SM); with it, 128 and no spills (sm_90 needs ~120 either way).
+// Two CTAs per SM (2 x 48 KiB of shared memory, up to 255 registers a thread).
 template <typename T, int CopyBytes>
 __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwdParams p) {
   unsigned char* smem = hw::dynamic_shared_memory();
@@ -867,11 +865,12 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwd
   // The lane's ldmatrix addresses (StageAddresses): A (plain) per 16-deep step ks at
   // ld.at[ks], mma tile i 16 rows on; B (transposed) per n tile pair j / 2 at ld.at[2 + j / 2],
   // step ks 16 k rows on.
-  static_assert(kTransK / 16 == 2 && kMmaN == 4, "two 16-deep steps and two B tile pairs");
+  static_assert(kTransK / 16 == 2 && kMmaN == 8, "two 16-deep steps and four B tile pairs");
   const int quad = lane / 8, row_in_quad = lane % 8;
   const int a_row = (quad & 1) * 8 + row_in_quad, a_chunk = quad >> 1;
-  StageAddresses<4> ld(ring, {swizzle(wm + a_row, a_chunk), swizzle(wm + a_row, 2 + a_chunk),
-                              kTileBytes + b_trans_lane(wn, lane), kTileBytes + b_trans_lane(wn + 16, lane)});
+  StageAddresses<6> ld(ring, {swizzle(wm + a_row, a_chunk), swizzle(wm + a_row, 2 + a_chunk),
+                              kTileBytes + b_trans_lane(wn, lane), kTileBytes + b_trans_lane(wn + 16, lane),
+                              kTileBytes + b_trans_lane(wn + 32, lane), kTileBytes + b_trans_lane(wn + 48, lane)});
   for (int kt = 0; kt < k_tiles; ++kt) {
     hw::cp_async_wait<kStages - 2>();
     __syncthreads();
@@ -975,10 +974,11 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
   for (int kt = 0; kt < kStages - 1; ++kt) issue(kt);
   // The lane's ldmatrix addresses (StageAddresses; both operands transposed): A per mma
   // tile i at ld.at[i], B per n tile pair j / 2 at ld.at[kMmaM + j / 2], step ks 16 k rows on.
-  static_assert(kMmaM == 4 && kMmaN == 4, "four A tiles and two B tile pairs");
-  StageAddresses<6> ld(ring, {a_trans_lane(wm, lane), a_trans_lane(wm + 16, lane), a_trans_lane(wm + 32, lane),
+  static_assert(kMmaM == 4 && kMmaN == 8, "four A tiles and four B tile pairs");
+  StageAddresses<8> ld(ring, {a_trans_lane(wm, lane), a_trans_lane(wm + 16, lane), a_trans_lane(wm + 32, lane),
                               a_trans_lane(wm + 48, lane), kTileBytes + b_trans_lane(wn, lane),
-                              kTileBytes + b_trans_lane(wn + 16, lane)});
+                              kTileBytes + b_trans_lane(wn + 16, lane), kTileBytes + b_trans_lane(wn + 32, lane),
+                              kTileBytes + b_trans_lane(wn + 48, lane)});
   int64_t comp_b = -1;
   int comp_slice = q_slices - 1;
   float alpha_cur = 1.f;

@@ -77,3 +77,19 @@ def test_branch_forms():
     assert sass.classify("@P0 LDG.E R9, desc[UR4][R6.64]") == "ldg"
     assert sass.classify("LDSM.16.MT88.4 R20, [R8]") == "ldsm"
     assert sass.classify("LDS R7, [UR11+0xc000]") == "lds"
+
+
+def test_steady_iteration_takes_the_whole_slice_copies_when_the_bounded_path_has_more():
+    # The bounded copy path issues more copies than the whole-slice one (here 3 against 2:
+    # a kernel with 4 rows a thread issues the rows in range unbounded and the rest zero
+    # filled); the steady iteration is still the whole-slice one, not the path with the
+    # most copies.
+    text = SASS.replace(
+        "        /*0210*/                   BRA 0x240 ;\n",
+        "        /*0208*/                   LDGSTS.E.BYPASS.128.ZFILL [R8+0x2000], desc[UR4][R6.64], P4 ;\n"
+        "        /*0210*/                   BRA 0x240 ;\n",
+    )
+    (f,) = sass.parse(text)
+    k_loop = f.hot_loop("hmma")
+    assert k_loop.counts["ldgsts"] == 5
+    assert k_loop.path == 20 and k_loop.path_counts["ldgsts"] == 2

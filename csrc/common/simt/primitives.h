@@ -200,7 +200,10 @@ inline void ldmatrix(uint32_t (&r)[Num], const void* row_address) {
 
 // cp.async.{ca,cg}.shared.global [dst], [src], cp_size, src_size.
 inline void cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size, bool cache_global) {
-  if (src_size) HW_SIM_COUNT(false, src, src_size);
+  if (src_size) {
+    HW_SIM_NOTE(async_load, 0);
+    HW_SIM_COUNT(false, src, src_size);
+  }
   HW_SIM_COUNT(true, dst, cp_size);
   detail::cp_async(dst, src, cp_size, src_size, cache_global);
   HW_SIM_NOTE(cp_async_bytes, cp_size);

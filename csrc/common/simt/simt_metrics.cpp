@@ -23,7 +23,7 @@ namespace metrics {
 namespace {
 
 enum Space : uint8_t { kGlobal = 0, kShared = 1 };
-constexpr int kNotes = 3;
+constexpr int kNotes = 3;  // the counted notes (Note::async_load is a flag, not a count)
 constexpr uint64_t kSectorBytes = 32;    // L2/DRAM access granularity
 constexpr uint64_t kWavefrontBytes = 128;  // shared memory: 32 banks x 4 bytes per cycle
 constexpr int kBanks = 32;
@@ -100,11 +100,14 @@ struct PcLane {
 // A thread's load rounds: a round ends at a barrier or when the thread loads again at a
 // call site it already loaded at in this round (the next iteration of a loop). The loads
 // of one round are taken to be in flight together; a loop iteration's loads wait for
-// nothing but each other, a later iteration is assumed to wait for the earlier one.
+// nothing but each other, a later iteration is assumed to wait for the earlier one. A
+// cp.async source (Note::async_load) waits for nothing: it never ends a round (the copies
+// of a slice issued by a loop are in flight together until the K loop's barrier).
 struct Lane {
   uint32_t round = 0;
   uint32_t load_rounds = 0;
   uint32_t last_load_round_tag = 0;
+  bool async_next = false;
 };
 
 struct State {
@@ -196,7 +199,8 @@ inline void record(uintptr_t addr, uint32_t size, bool store, uintptr_t pc) {
   const uint32_t occurrence = pl.occurrence++;
   if (space == kGlobal && !store) {
     Lane& lane = S.lanes[tid];
-    if (pl.load_round_tag == lane.round + 1) ++lane.round;
+    if (pl.load_round_tag == lane.round + 1 && !lane.async_next) ++lane.round;
+    lane.async_next = false;
     pl.load_round_tag = lane.round + 1;
     if (lane.last_load_round_tag != lane.round + 1) {
       lane.last_load_round_tag = lane.round + 1;
@@ -349,7 +353,12 @@ std::string launch_json(const Launch& L) {
 }  // namespace
 
 void note(Note kind, long long n) {
-  if (g.in_block) g.launch->lane_notes[static_cast<int>(kind)] += n;
+  if (!g.in_block) return;
+  if (kind == Note::async_load) {
+    g.lanes[threadIdx.x + threadIdx.y * g.bdx + threadIdx.z * g.bdxy].async_next = true;
+    return;
+  }
+  g.launch->lane_notes[static_cast<int>(kind)] += n;
 }
 
 void set_enabled(bool on) { g.enabled = on; }

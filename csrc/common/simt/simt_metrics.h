@@ -35,6 +35,9 @@
 //   mma             once per warp-wide mma.sync (from the warp's compute step)
 //   ldmatrix        once per warp-wide ldmatrix
 //   cp_async_bytes  n = the bytes one lane's cp.async copies, called by each issuing lane
+//   async_load      the lane's next global load is a cp.async source: it waits for nothing,
+//                   so it joins the lane's load round even from a call site already in it
+//                   (a loop issuing a slice's copies); the round ends at a barrier
 // Outside the profile library it expands to nothing (its argument is not evaluated).
 #pragma once
 
@@ -46,7 +49,7 @@
 namespace hw_sim {
 namespace metrics {
 
-enum class Note : int { mma = 0, ldmatrix = 1, cp_async_bytes = 2 };
+enum class Note : int { mma = 0, ldmatrix = 1, cp_async_bytes = 2, async_load = 3 };
 void note(Note kind, long long n);
 
 // Host side (the profiler): collection is off until enabled; take_json() returns the

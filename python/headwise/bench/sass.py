@@ -130,28 +130,34 @@ def _is_branch(text: str) -> tuple[bool, bool, int | None]:
     return True, conditional, int(m.group(2), 16) if m and m.group(2) else None
 
 
-# Instruction classes the steady state of a K loop issues every iteration: the hot path
-# goes through every one the body has (the operand copies sit under `if (kt < k_tiles)`,
-# which only the pipeline's last iterations skip; a tile's MMAs under a causal or
-# bounds test that only the edge tiles fail).
-STEADY = ("hmma", "ldsm", "ldgsts", "sts")
+# Instruction classes of a K loop's compute, which every iteration issues (a tile's MMAs
+# sit under a causal or bounds test that only the edge tiles fail), and of its operand
+# copies, which every iteration but the pipeline's last few issues (under `if (kt <
+# k_tiles)`), as a whole-slice fast path or as a bounded path with more instructions.
+COMPUTE = ("hmma", "ldsm")
+COPIES = ("ldgsts", "sts")
 
 
 def hot_path(body: list) -> list:
     """The instructions of one steady-state iteration of a loop body (address order, the
     head first, the backward branch last): the shortest path from the head to the back
-    branch among those through the most STEADY instructions (the copies), so a branch
-    taken rarely (a head change every few slices, an inner scan over the gates) is off
-    it. Forward branches inside the body may be taken or not when predicated, always when
-    not; an inner loop's backward branch is not taken (its body counts once)."""
+    branch among those through the most COMPUTE instructions that issue at least one copy.
+    So a branch taken rarely (a head change every few slices, an inner scan over the
+    gates) is off it, and of a whole-slice copy path and a bounded one (zero fill, fewer
+    rows) the shorter, whole one is taken. Forward branches inside the body may be taken or
+    not when predicated, always when not; an inner loop's backward branch is not taken (its
+    body counts once)."""
     index = {a: i for i, (a, _) in enumerate(body)}
     inf = float("inf")
-    cost = [1 - 10_000 * (classify(t) in STEADY) for _, t in body]
-    dist = [inf] * len(body)
-    prev = [-1] * len(body)
-    dist[0] = cost[0]
+    n = len(body)
+    cost = [1 - 10_000 * (classify(t) in COMPUTE) for _, t in body]
+    copy = [classify(t) in COPIES for _, t in body]
+    # Shortest paths over (instruction, a copy issued on the way) states.
+    dist = [[inf, inf] for _ in range(n)]
+    prev = [[None, None] for _ in range(n)]
+    dist[0][int(copy[0])] = cost[0]
     for i, (addr, text) in enumerate(body):
-        if dist[i] == inf or i == len(body) - 1:
+        if i == n - 1:
             continue
         branch, pred, target = _is_branch(text)
         succ = []
@@ -161,15 +167,21 @@ def hot_path(body: list) -> list:
                 succ.append(i + 1)
         elif not (branch and not pred) and not re.match(r"^(EXIT|RET)", text):
             succ.append(i + 1)  # falls through (a predicated EXIT may too; an unpredicated one ends the path)
-        for j in succ:
-            if dist[i] + cost[j] < dist[j]:
-                dist[j], prev[j] = dist[i] + cost[j], i
-    out, i = [], len(body) - 1
-    if dist[i] == inf:
+        for c in (0, 1):
+            if dist[i][c] == inf:
+                continue
+            for j in succ:
+                cj = c | int(copy[j])
+                if dist[i][c] + cost[j] < dist[j][cj]:
+                    dist[j][cj], prev[j][cj] = dist[i][c] + cost[j], (i, c)
+    end = n - 1
+    state = 1 if dist[end][1] < inf else 0
+    if dist[end][state] == inf:
         return body
-    while i >= 0:
-        out.append(body[i])
-        i = prev[i]
+    out, node = [], (end, state)
+    while node is not None:
+        out.append(body[node[0]])
+        node = prev[node[0]][node[1]]
     return out[::-1]
 
 
