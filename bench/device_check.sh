@@ -116,7 +116,7 @@ cd ..
 
 stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
 run_capped 90 "calibrate" $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
-  --estimates bench/sim_profile_h200_2026-12-01_issue_term.json --json "$RES/calibration.json"
+  --estimates bench/sim_profile_h200_2026-12-01_merge_64x64.json --json "$RES/calibration.json"
 
 stage "ncu: the tensor-core merge forward and grad_z (memory tables, one launch each)"
 run_capped 45 "ncu merge" ncu --clock-control none --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc" --launch-count 2 \
