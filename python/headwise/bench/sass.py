@@ -22,9 +22,12 @@ of the estimate's mma ceiling that the calibrated issue rate leaves (1.0: issue 
 the limit; constants in headwise.bench.sim_profile.GpuModel).
 
 The steady iteration (hot_path) is the path from the loop head to its backward branch
-through every copy, ldmatrix and HMMA of the body, shortest among those: a branch taken
-rarely (a head change, a scan over the gates, the pipeline's drain) is off it, and an
-inner loop's body counts once. A static count: no latency or dual-issue model,
+through every ldmatrix and HMMA of the body that issues at least one copy, shortest among
+those: a branch taken rarely (a head change, a scan over the gates, the pipeline's drain)
+is off it, of a whole-slice copy path and a bounded (zero-fill) one the shorter, whole
+one is on it, and an inner loop's body counts once. Where the shortest such path is a
+rare one (a K loop's last slice skipping the advance of its copy sources), the count is
+a few instructions low. A static count: no latency or dual-issue model,
 predicated-off instructions included. Loops are found from backward branches (`BRA` to
 a lower address), so a loop the compiler unrolled fully is part of its parent.
 """
