@@ -9,13 +9,13 @@
 # two-row / one-row A/B, the primitive self-tests (mma.sync / ldmatrix / cp.async / cluster
 # lane maps against the hardware; they passed on the first H200 run) and the sample GEMM,
 # the emulator's H200 estimates beside the measured times (python -m headwise.bench.calibrate),
-# one ncu report of the tensor-core merge, then the GPU benchmarks. Stages run in that
+# one ncu report (the merge, MHAR and DCMHA forwards), then the GPU benchmarks. Stages run in that
 # order (most valuable first); each has its own time limit, cut further by what is left of one budget for the
 # whole script (HEADWISE_CHECK_BUDGET_S, default 530 s; a stage with under 15 s left is
 # skipped); a failing stage is reported and the next one still runs.
 # RESULTS_DIR (default ./device_results) receives device_check.log (everything printed)
 # and device_results.tgz (build.log, ptxas.txt, primitive_tests.xml, cuda_tests.xml,
-# targets.json, calibration.json, sanitizer_*.log, ncu_merge.txt, bench_*.json): two files,
+# targets.json, calibration.json, sanitizer_*.log, ncu.txt, bench_*.json): two files,
 # since a lent machine returns at most 8.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -118,16 +118,27 @@ stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
 run_capped 90 "calibrate" $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
   --estimates bench/sim_profile_h200_2026-12-01_merge_64x64.json --json "$RES/calibration.json"
 
-stage "ncu: the tensor-core merge forward and grad_z (memory tables, one launch each)"
-run_capped 45 "ncu merge" ncu --clock-control none --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc" --launch-count 2 \
-  --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section Occupancy \
+stage "ncu: the merge forward and grad_z, the MHAR forward, the DCMHA forward sweep (one launch each)"
+# MHAR measured at 16% of HBM and the DCMHA forward at 6x its estimate with no counters
+# read: SpeedOfLight, the memory tables, occupancy and the warp-state (stall) sections
+# say what bounds them.
+run_capped 60 "ncu" ncu --clock-control none \
+  --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc|mhar_route_fwd_kernel|dcmha_attn_sweep" --launch-count 4 \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section Occupancy --section WarpStateStats \
   $PY -c "
 import torch, headwise
+from headwise.bench.targets import _dcmha_inputs
 z = torch.randn(4, 32, 4096, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)
 w = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16, requires_grad=True)
 headwise.head_merge(z, w, None, head_gate=torch.ones(32, device='cuda')).sum().backward()
-torch.cuda.synchronize()" > "$RES/ncu_merge.txt" 2>&1
-grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Compute \(SM\)" "$RES/ncu_merge.txt" | head -30
+src = torch.randn(9, 2, 4096, 4096, device='cuda', dtype=torch.bfloat16)
+query = 0.3 * torch.randn(4096, device='cuda'); norm_weight = torch.ones(4096, device='cuda')
+headwise.mhar_route(src, query, norm_weight, num_heads=8)
+q, k, v, dw, _ = _dcmha_inputs({'b': 1, 'h': 32, 't': 2048, 'dh': 128}, torch.device('cuda'), torch.bfloat16)
+with torch.no_grad():
+    headwise.dcmha_attention(q, k, v, dw)
+torch.cuda.synchronize()" > "$RES/ncu.txt" 2>&1
+grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Compute \(SM\)|Issue Slot|Stall" "$RES/ncu.txt" | head -60
 
 stage "GPU benchmarks (eager, torch.compile, headwise)"
 run_capped 90 "bench merge" $PY -m headwise.bench merge --device cuda --repeats 20 --json "$RES/bench_merge.json"
