@@ -100,8 +100,8 @@ __device__ __forceinline__ int swizzle(int row, int chunk) { return row * kRowBy
 // A lane's N ldmatrix addresses in the ring stage being computed (A slices at stage * 2 *
 // kTileBytes, B slices kTileBytes on), carried from slice to slice: next() moves them one
 // stage on, back to stage 0 after the last. Carried values are what ptxas keeps in
-// registers; addresses it can recompute from threadIdx it recomputes every slice under the
-// 128-register cap (~30 instructions; python -m headwise.bench.sass counts them).
+// registers; addresses it can recompute from threadIdx it recomputed every slice when
+// registers were scarce (~30 instructions; python -m headwise.bench.sass counts them).
 template <int N>
 struct StageAddresses {
   hw::SmemAddr at[N];
@@ -183,7 +183,7 @@ struct SliceSources {
 // kRowStep = 32 apart have the same swizzle phase (r >> 1) & 3, so their chunks are
 // kRowStep rows apart in shared memory). What does not depend on the slice (the swizzled
 // shared offset, the row bounds) is formed once per kernel; the sources are SliceSources
-// (element (r, 0) of the next slice at cur[0]). full(): a
+// (the thread's chunk c of row r of the next slice at cur[0]). full(): a
 // whole slice with 16-byte copies (every row in range and k_left >= kBK; the caller
 // decides, uniformly over the CTA) by plain cp.async without bounds or zero fill.
 // operator(): any slice, bounded and zero-filled.
@@ -732,8 +732,8 @@ __device__ __forceinline__ int swizzle_t(int row, int chunk) { return row * kTra
 // One thread's share of the copies of a transposed slice (kTransK rows of k, 16 chunks of
 // 8 elements of n each: element (k, n) at src[k * ld + n], columns n < n_cols): chunk c =
 // tid % 16 of k rows r = tid / 16 + i * kRowStep, i < kRows. As PlainSliceCopy: the
-// per-kernel part formed once, the sources carried from slice to slice (SliceSources, k
-// row r of the next slice at cur[0]). Rows kRowStep = 8 apart have the same swizzle phase
+// per-kernel part formed once, the sources carried from slice to slice (SliceSources: the
+// thread's chunk c of k row r of the next slice at cur[0]). Rows kRowStep = 8 apart have the same swizzle phase
 // (r & 7).
 template <typename T, int CopyBytes>
 struct TransSliceCopy : SliceSources<T, kTransK * (kTransRowBytes / 16) / kThreads, kThreads / (kTransRowBytes / 16)> {
