@@ -93,3 +93,23 @@ def test_steady_iteration_takes_the_whole_slice_copies_when_the_bounded_path_has
     k_loop = f.hot_loop("hmma")
     assert k_loop.counts["ldgsts"] == 5
     assert k_loop.path == 20 and k_loop.path_counts["ldgsts"] == 2
+
+
+def test_loop_without_hmma_keeps_the_path_through_the_most_shared_stores():
+    # A loop without HMMA (an MHAR stage, an epilogue): the steady path goes through the
+    # branch that stores to shared memory, not the shorter one around it.
+    text = """
+        Function : _Z6kernelv
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0100*/                   LDG.E R2, desc[UR4][R6.64] ;
+        /*0110*/               @P1 BRA 0x140 ;
+        /*0120*/                   STS [R8], R2 ;
+        /*0130*/                   STS [R8+0x4], R2 ;
+        /*0140*/                   STS [R8+0x8], R2 ;
+        /*0150*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0160*/               @!P6 BRA 0x100 ;
+        /*0170*/                   EXIT ;
+"""
+    (f,) = sass.parse(text)
+    (loop,) = f.loops
+    assert loop.path == 7 and loop.path_counts["sts"] == 3

@@ -21,13 +21,14 @@ instruction per clock, so a K loop's instructions per HMMA bound its tensor thro
 of the estimate's mma ceiling that the calibrated issue rate leaves (1.0: issue is not
 the limit; constants in headwise.bench.sim_profile.GpuModel).
 
-The steady iteration (hot_path) is the path from the loop head to its backward branch
-through every ldmatrix and HMMA of the body that issues at least one copy, shortest among
-those: a branch taken rarely (a head change, a scan over the gates, the pipeline's drain)
-is off it, of a whole-slice copy path and a bounded (zero-fill) one the shorter, whole
-one is on it, and an inner loop's body counts once. Where the shortest such path is a
-rare one (a K loop's last slice skipping the advance of its copy sources), the count is
-a few instructions low. A static count: no latency or dual-issue model,
+The steady iteration (hot_path) of a K loop is the path from the loop head to its
+backward branch through every ldmatrix and HMMA of the body that issues at least one
+copy, shortest among those: a branch taken rarely (a head change, a scan over the gates,
+the pipeline's drain) is off it, of a whole-slice copy path and a bounded (zero-fill) one
+the shorter, whole one is on it, and an inner loop's body counts once. Where the shortest
+such path is a rare one (a K loop's last slice skipping the advance of its copy
+sources), the count is a few instructions low. In a loop without HMMA it is the shortest
+path through the most ldmatrix, HMMA, cp.async and shared stores. A static count: no latency or dual-issue model,
 predicated-off instructions included. Loops are found from backward branches (`BRA` to
 a lower address), so a loop the compiler unrolled fully is part of its parent.
 """
@@ -143,18 +144,21 @@ COPIES = ("ldgsts", "sts")
 
 def hot_path(body: list) -> list:
     """The instructions of one steady-state iteration of a loop body (address order, the
-    head first, the backward branch last): the shortest path from the head to the back
-    branch among those through the most COMPUTE instructions that issue at least one copy.
-    So a branch taken rarely (a head change every few slices, an inner scan over the
-    gates) is off it, and of a whole-slice copy path and a bounded one (zero fill, fewer
-    rows) the shorter, whole one is taken. Forward branches inside the body may be taken or
-    not when predicated, always when not; an inner loop's backward branch is not taken (its
-    body counts once)."""
+    head first, the backward branch last). In a loop with HMMA: the shortest path from the
+    head to the back branch among those through the most COMPUTE instructions that issue
+    at least one copy, so a branch taken rarely (a head change every few slices, an inner
+    scan over the gates) is off it, and of a whole-slice copy path and a bounded one (zero
+    fill, fewer rows) the shorter, whole one is taken. In any other loop (MHAR's stages,
+    the epilogues): the shortest among those through the most COMPUTE and COPIES
+    instructions. Forward branches inside the body may be taken or not when predicated,
+    always when not; an inner loop's backward branch is not taken (its body counts once)."""
     index = {a: i for i, (a, _) in enumerate(body)}
     inf = float("inf")
     n = len(body)
-    cost = [1 - 10_000 * (classify(t) in COMPUTE) for _, t in body]
-    copy = [classify(t) in COPIES for _, t in body]
+    has_hmma = any(classify(t) == "hmma" for _, t in body)
+    weighted = COMPUTE if has_hmma else COMPUTE + COPIES
+    cost = [1 - 10_000 * (classify(t) in weighted) for _, t in body]
+    copy = [has_hmma and classify(t) in COPIES for _, t in body]
     # Shortest paths over (instruction, a copy issued on the way) states.
     dist = [[inf, inf] for _ in range(n)]
     prev = [[None, None] for _ in range(n)]
@@ -178,7 +182,7 @@ def hot_path(body: list) -> list:
                 if dist[i][c] + cost[j] < dist[j][cj]:
                     dist[j][cj], prev[j][cj] = dist[i][c] + cost[j], (i, c)
     end = n - 1
-    state = 1 if dist[end][1] < inf else 0
+    state = 1 if has_hmma and dist[end][1] < inf else 0
     if dist[end][state] == inf:
         return body
     out, node = [], (end, state)
