@@ -87,6 +87,10 @@ constexpr int kTileBytes = kBM * kRowBytes;                      // one operand 
 constexpr size_t kSmemBytes = static_cast<size_t>(kStages) * 2 * kTileBytes;  // 48 KiB
 static_assert(kBM == kBN, "A and B slices share one shape");
 static_assert((kBM * kChunks) % kThreads == 0, "every thread copies the same number of chunks");
+// A plain slice's copies: thread tid copies chunk tid % kChunks of rows tid / kChunks + i *
+// kPlainRowStep, i < kPlainRows.
+constexpr int kPlainRowStep = kThreads / kChunks;
+constexpr int kPlainRows = kBM / kPlainRowStep;
 
 // Elements of T per 16-byte chunk and per kBK slice.
 template <typename T>
@@ -96,6 +100,9 @@ constexpr int kBK = kChunks * kChunkElems<T>;
 
 // Byte offset of (row, 16-byte chunk) in a swizzled [kBM x 64 B] slice.
 __device__ __forceinline__ int swizzle(int row, int chunk) { return row * kRowBytes + ((chunk ^ ((row >> 1) & 3)) * 16); }
+
+// The ring stage after `stage`.
+__host__ __device__ constexpr int next_stage(int stage) { return stage == kStages - 1 ? 0 : stage + 1; }
 
 // A lane's N ldmatrix addresses in the ring stage being computed (A slices at stage * 2 *
 // kTileBytes, B slices kTileBytes on), carried from slice to slice: next() moves them one
@@ -113,7 +120,7 @@ struct StageAddresses {
   }
   __device__ __forceinline__ void next() {
     const int step = stage == kStages - 1 ? -(kStages - 1) * 2 * kTileBytes : 2 * kTileBytes;
-    stage = stage == kStages - 1 ? 0 : stage + 1;
+    stage = next_stage(stage);
 #pragma unroll
     for (int n = 0; n < N; ++n) at[n] = at[n] + step;
   }
@@ -155,7 +162,7 @@ __device__ __forceinline__ void copy_chunk(hw::SmemAddr dst, const T* src, int v
 }
 
 // A thread's copy sources of the next slice: Rows rows RowStep apart (row stride ld) from
-// base, plus the slice's offset. They are carried from slice to slice: advance() moves
+// base (the thread's first row and column of src), plus the slice's offset. They are carried from slice to slice: advance() moves
 // them by a slice (a 64-bit add each), seek() sets them at an offset from base (a head
 // change). Carried values are what ptxas cannot rematerialize: values it can recompute from
 // the parameters and threadIdx it recomputes every slice when registers are scarce (python
@@ -166,7 +173,10 @@ struct SliceSources {
   int64_t ld;
   const T* cur[Rows];
 
-  __device__ __forceinline__ SliceSources(const T* base_, int64_t ld_) : base(base_), ld(ld_) { seek(0); }
+  __device__ __forceinline__ SliceSources(const T* src, int64_t ld_, int row, int col)
+      : base(src + row * ld_ + col), ld(ld_) {
+    seek(0);
+  }
   __device__ __forceinline__ void seek(int64_t offset_bytes) {
 #pragma unroll
     for (int i = 0; i < Rows; ++i) cur[i] = hw::byte_offset(base + i * RowStep * ld, offset_bytes);
@@ -188,9 +198,9 @@ struct SliceSources {
 // decides, uniformly over the CTA) by plain cp.async without bounds or zero fill.
 // operator(): any slice, bounded and zero-filled.
 template <typename T, int CopyBytes>
-struct PlainSliceCopy : SliceSources<T, kBM * kChunks / kThreads, kThreads / kChunks> {
-  static constexpr int kRowStep = kThreads / kChunks;
-  static constexpr int kRows = kBM / kRowStep;
+struct PlainSliceCopy : SliceSources<T, kPlainRows, kPlainRowStep> {
+  static constexpr int kRowStep = kPlainRowStep;
+  static constexpr int kRows = kPlainRows;
   static_assert(kRows * kRowStep == kBM && kRowStep % 8 == 0, "whole rows a thread, one swizzle phase");
   using SliceSources<T, kRows, kRowStep>::cur;
   int smem;         // swizzle(r, c)
@@ -200,9 +210,8 @@ struct PlainSliceCopy : SliceSources<T, kBM * kChunks / kThreads, kThreads / kCh
 
   // r = tid / kChunks, c = tid % kChunks; the sources start at src + r * ld + c * E.
   __device__ __forceinline__ PlainSliceCopy(const T* src, int64_t ld, int64_t rows_valid)
-      : SliceSources<T, kRows, kRowStep>(
-            src + static_cast<int>(threadIdx.x) / kChunks * ld + static_cast<int>(threadIdx.x) % kChunks * kChunkElems<T>,
-            ld) {
+      : SliceSources<T, kRows, kRowStep>(src, ld, static_cast<int>(threadIdx.x) / kChunks,
+                                         static_cast<int>(threadIdx.x) % kChunks * kChunkElems<T>) {
     const int r = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
     c_elems = c * kChunkElems<T>;
     smem = swizzle(r, c);
@@ -578,7 +587,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_fwd_tc_kernel(TcFwdPar
         copy_a.advance(BK * kSize);
         copy_b.advance(BK * kSize);
       }
-      issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
+      issue_stage = next_stage(issue_stage);
     }
     hw::cp_async_commit();
   };
@@ -726,6 +735,11 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_fwd_tc_kernel(TcFwdPar
 constexpr int kTransK = 32;                 // k rows of a transposed slice
 constexpr int kTransRowBytes = kBN * 2;     // 128 16-bit elements
 static_assert(kTransK * kTransRowBytes == kTileBytes, "a transposed slice has the size of a plain one");
+// A transposed slice's copies: thread tid copies chunk tid % kTransRowChunks of k rows tid /
+// kTransRowChunks + i * kTransRowStep, i < kTransRows.
+constexpr int kTransRowChunks = kTransRowBytes / 16;
+constexpr int kTransRowStep = kThreads / kTransRowChunks;
+constexpr int kTransRows = kTransK / kTransRowStep;
 
 __device__ __forceinline__ int swizzle_t(int row, int chunk) { return row * kTransRowBytes + ((chunk ^ (row & 7)) * 16); }
 
@@ -736,10 +750,10 @@ __device__ __forceinline__ int swizzle_t(int row, int chunk) { return row * kTra
 // thread's chunk c of k row r of the next slice at cur[0]). Rows kRowStep = 8 apart have the same swizzle phase
 // (r & 7).
 template <typename T, int CopyBytes>
-struct TransSliceCopy : SliceSources<T, kTransK * (kTransRowBytes / 16) / kThreads, kThreads / (kTransRowBytes / 16)> {
-  static constexpr int kRowChunks = kTransRowBytes / 16;
-  static constexpr int kRowStep = kThreads / kRowChunks;
-  static constexpr int kRows = kTransK / kRowStep;
+struct TransSliceCopy : SliceSources<T, kTransRows, kTransRowStep> {
+  static constexpr int kRowChunks = kTransRowChunks;
+  static constexpr int kRowStep = kTransRowStep;
+  static constexpr int kRows = kTransRows;
   static_assert(kRows * kRowStep == kTransK && kRowStep % 8 == 0, "whole k rows a thread, one swizzle phase");
   using SliceSources<T, kRows, kRowStep>::cur;
   int smem;         // swizzle_t(r, c)
@@ -749,8 +763,8 @@ struct TransSliceCopy : SliceSources<T, kTransK * (kTransRowBytes / 16) / kThrea
 
   // r = tid / 16, c = tid % 16; the sources start at src + r * ld + c * 8.
   __device__ __forceinline__ TransSliceCopy(const T* src, int64_t ld, int64_t n_cols)
-      : SliceSources<T, kRows, kRowStep>(
-            src + static_cast<int>(threadIdx.x) / kRowChunks * ld + static_cast<int>(threadIdx.x) % kRowChunks * 8, ld) {
+      : SliceSources<T, kRows, kRowStep>(src, ld, static_cast<int>(threadIdx.x) / kRowChunks,
+                                         static_cast<int>(threadIdx.x) % kRowChunks * 8) {
     r = static_cast<int>(threadIdx.x) / kRowChunks;
     const int c = static_cast<int>(threadIdx.x) % kRowChunks;
     smem = swizzle_t(r, c);
@@ -854,7 +868,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwd
       copy_b(b_tile(issue_stage), d - k0, w);
       copy_a.advance(kTransK * static_cast<int64_t>(sizeof(T)));
       copy_b.advance(w_step);
-      issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
+      issue_stage = next_stage(issue_stage);
     }
     hw::cp_async_commit();
   };
@@ -964,7 +978,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
         copy_a.advance(dy_step);
         copy_b.advance(z_step);
       }
-      issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
+      issue_stage = next_stage(issue_stage);
     }
     hw::cp_async_commit();
   };

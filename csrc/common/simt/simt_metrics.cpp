@@ -173,10 +173,13 @@ bool inside(uintptr_t a, const T& v) {
   return a >= p && a < p + sizeof(T);
 }
 
+// The running thread's index in its block, x fastest.
+inline unsigned linear_tid() { return threadIdx.x + threadIdx.y * g.bdx + threadIdx.z * g.bdxy; }
+
 inline void record(uintptr_t addr, uint32_t size, bool store, uintptr_t pc) {
   State& S = g;
   if (!S.in_block) return;
-  const unsigned tid = threadIdx.x + threadIdx.y * S.bdx + threadIdx.z * S.bdxy;
+  const unsigned tid = linear_tid();
   if (addr >= S.stack_lo[tid] && addr < S.stack_hi[tid]) return;  // locals, parameters
   if (addr >= S.os_stack_lo && addr < S.os_stack_hi) return;        // the launch's captures
   // A warp-collective primitive (mma.sync, ldmatrix; simt/primitives.h) runs its warp step
@@ -355,7 +358,7 @@ std::string launch_json(const Launch& L) {
 void note(Note kind, long long n) {
   if (!g.in_block) return;
   if (kind == Note::async_load) {
-    g.lanes[threadIdx.x + threadIdx.y * g.bdx + threadIdx.z * g.bdxy].async_next = true;
+    g.lanes[linear_tid()].async_next = true;
     return;
   }
   g.launch->lane_notes[static_cast<int>(kind)] += n;
