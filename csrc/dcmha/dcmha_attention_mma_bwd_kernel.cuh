@@ -68,28 +68,10 @@
 namespace headwise {
 namespace dcmha {
 
-// The backward's transposed weights table wt [B, H, kBwdWeightFields, T]: the forward's 20
-// fields, then the row statistics M, 1/Z (0 where Z = 0) and D.
-constexpr int kFieldM = 20, kFieldInvZ = 21, kFieldD = 22, kBwdWeightFields = 23;
-// One side of head n's compose weights: a query row t (slots 0, 2, then M, 1/Z, D) or a key
-// column s (slots 1, 3).
-constexpr int kW1Pre = 0, kW2Pre = 2, kGPre = 4, kW1Post = 5, kW2Post = 7, kGPost = 9;
-constexpr int kKeySide = 10, kStatM = 10, kStatInvZ = 11, kStatD = 12, kQuerySide = 13;
 // The scratch fields per (t, s) and head group.
 constexpr int kPartA = 0, kPartB = 2, kPartC = 4, kPartD = 6, kPartDC = 8, kPartDD = 10, kPartDA = 12, kPartDB = 14;
 constexpr int kBwdPartFields = 16;
 constexpr int kQueryTileCols = 32;  // query rows per step of the key-tile kernels
-
-__host__ __device__ inline int side_wfield(int i, bool key) {
-  if (i >= kKeySide) return kFieldM + (i - kKeySide);
-  const int pre = key ? 1 : 0, post = pre + 2;
-  return i < 2   ? wfield_w1(pre, i)
-         : i < 4 ? wfield_w2(pre, i - 2)
-         : i == 4 ? wfield_g(pre)
-         : i < 7 ? wfield_w1(post, i - 5)
-         : i < 9 ? wfield_w2(post, i - 7)
-                 : wfield_g(post);
-}
 
 struct MmaAttnBwdParams {
   MmaAttnParams m;   // q, k, v, stats, wt (kBwdWeightFields), partials (kBwdPartFields), chunk
@@ -190,21 +172,6 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_grads_untranspose(cons
     if (j < 8 * H) dw1[row * 8 * H + j] = x;
     else if (j < 16 * H) dw2[row * 8 * H + j - 8 * H] = x;
     else dg[row * 4 * H + j - 16 * H] = x;
-  }
-}
-
-// Fields of side `key` listed in mask, of positions [x0, x0 + n) of one head's weights
-// table row block (wt_head = wt + head * wfields * T), into dst [field][pitch] by 4-byte
-// cp.async (zero past T). Part of the caller's commit group.
-__device__ __forceinline__ void load_side_fields(float* dst, const float* wt_head, int x0, int n, int pitch, int TT,
-                                                 unsigned mask, int nfields, bool key) {
-  for (int i = threadIdx.x; i < nfields * n; i += blockDim.x) {
-    const int f = i / n, c = i % n, x = x0 + c;
-    if (!((mask >> f) & 1u)) continue;
-    const bool inside = x < TT;
-    hw::cp_async_ca<4>(dst + f * pitch + c, inside ? wt_head + static_cast<int64_t>(side_wfield(f, key)) * TT + x
-                                                  : wt_head,
-                       inside ? 4 : 0);
   }
 }
 

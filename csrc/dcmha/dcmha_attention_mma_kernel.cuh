@@ -22,7 +22,8 @@
 //      weight read is a contiguous run along t or s (coalesced).
 //   1. dcmha_attn_stats: CTA per (64-row query tile, b * group), looping the key tiles of
 //      the band; per key tile two sweeps over the group's heads (each head: Q_n and K_n
-//      tiles by cp.async, double-buffered across heads): sweep A accumulates a_r, b_r in
+//      tiles and the row and column weights the sweep reads, one cp.async group,
+//      double-buffered across heads): sweep A accumulates a_r, b_r in
 //      registers, sweep B recomputes S_n, forms L_n and updates the online row max M_n and
 //      sum Z_n (shared memory, one warp owns its 16 rows: no cross-warp reduction).
 //      Writes stats [2, B, H, T] (M, Z), the layout the backward reads.
@@ -56,10 +57,12 @@
 //   (32 hg B per (t, s), L2-resident when the chunk's partials fit in L2).
 // Shared memory (bytes, ldq = dh_pad + 8, ldv = dv_pad + 8 bf16 elements):
 //   stats / partials: 2 x (64 + 32) ldq x 2 (Q, K double-buffered)
-//     + 4 (7 hg 65 + 7 hg 33) (row / column weights) + 4 (2 hg 64) (row statistics)
-//     = 27 KiB + 3.2 KiB per head of the group at dh = 64 (52 KiB + 3.2 KiB hg at dh = 128):
-//     153 KiB at hg = 32, dh = 128 (within sm_80's 163 KiB opt-in); 129 KiB at hg = 32,
-//     dh = 64, over the 99 KiB of sm_86/89 parts, which take hg <= 22 at dh = 64;
+//     + 2 x 4 (7 x 65 + 7 x 33) (head n's row / column weights, double-buffered with its
+//     tiles) + 4 (2 hg 64) (row statistics, the one term that grows with the group)
+//     = 32.4 KiB + 0.5 KiB per head of the group at dh = 64 (56.4 KiB + 0.5 KiB hg at
+//     dh = 128): 72.4 KiB at hg = 32, dh = 128, 3 CTAs (12 warps) per sm_90 SM and 2 per
+//     sm_80 SM, where staging every head's weights for the whole CTA took 153 KiB (1 CTA,
+//     4 warps per SM); 48.4 KiB at hg = 32, dh = 64, within the 99 KiB of sm_86/89 parts;
 //   output: 64 ldq x 2 + 2 x 32 (ldq + ldv) x 2 + 2 x 6 x 32 x 4 = 53 KiB at dh = dv = 128.
 #pragma once
 
@@ -85,7 +88,7 @@ constexpr int kWeightFields = 20;             // W1[4][2], W2[4][2], G[4]
 constexpr int kSplitKeys = 256;               // keys per CTA of the partials kernel
 constexpr int kRowPitch = kTileRows + 1;      // smem pitch of a head's row weights
 constexpr int kColPitch = kTileKeys + 1;
-constexpr int kLoopFields = 7;                // W1 r0 r1, W2 r0 r1, G of the pre slot; W1 r0 r1 of post
+constexpr int kLoopFields = 7;                // sides 0-6: W1 r0 r1, W2 r0 r1, G of the pre slot; W1 r0 r1 of post
 constexpr int kOutFields = 6;                 // W2 r0 r1, G of the pre and post slots (one head)
 constexpr int64_t kScratchBytes = int64_t(256) << 20;
 
@@ -105,10 +108,30 @@ __host__ __device__ inline int wfield_w1(int c, int r) { return c * 2 + r; }
 __host__ __device__ inline int wfield_w2(int c, int r) { return 8 + c * 2 + r; }
 __host__ __device__ inline int wfield_g(int c) { return 16 + c; }
 
+// The transposed weights table wt [B, H, wfields, T]: the 20 weight fields above; the
+// backward's table adds the row statistics M, 1/Z (0 where Z = 0) and D.
+constexpr int kFieldM = 20, kFieldInvZ = 21, kFieldD = 22, kBwdWeightFields = 23;
+// One side of head n's compose weights: a query row t (slots 0, 2, then M, 1/Z, D: the
+// backward's) or a key column s (slots 1, 3). The forward's sweeps read sides 0-6.
+constexpr int kW1Pre = 0, kW2Pre = 2, kGPre = 4, kW1Post = 5, kW2Post = 7, kGPost = 9;
+constexpr int kKeySide = 10, kStatM = 10, kStatInvZ = 11, kStatD = 12, kQuerySide = 13;
+
+__host__ __device__ inline int side_wfield(int i, bool key) {
+  if (i >= kKeySide) return kFieldM + (i - kKeySide);
+  const int pre = key ? 1 : 0, post = pre + 2;
+  return i < 2   ? wfield_w1(pre, i)
+         : i < 4 ? wfield_w2(pre, i - 2)
+         : i == 4 ? wfield_g(pre)
+         : i < 7 ? wfield_w1(post, i - 5)
+         : i < 9 ? wfield_w2(post, i - 7)
+                 : wfield_g(post);
+}
+
+
 __host__ __device__ inline int64_t mma_loop_smem_bytes(int hg, int dh_pad) {
   const int ldq = dh_pad + 8;
   return int64_t(2) * (kTileRows + kTileKeys) * ldq * 2 +
-         int64_t(4) * kLoopFields * hg * (kRowPitch + kColPitch) + int64_t(4) * 2 * hg * kTileRows;
+         int64_t(4) * 2 * kLoopFields * (kRowPitch + kColPitch) + int64_t(4) * 2 * hg * kTileRows;
 }
 
 __host__ __device__ inline int64_t mma_out_smem_bytes(int dh_pad, int dv_pad) {
@@ -163,6 +186,21 @@ __device__ __forceinline__ void load_rows(T* dst, const T* src, int r0, int rows
         out[e] = (row < nrows && col < d) ? src[static_cast<int64_t>(row) * d + col] : static_cast<T>(0.f);
       }
     }
+  }
+}
+
+// Fields of side `key` listed in mask, of positions [x0, x0 + n) of one head's weights
+// table row block (wt_head = wt + head * wfields * T), into dst [field][pitch] by 4-byte
+// cp.async (zero past T). Part of the caller's commit group.
+__device__ __forceinline__ void load_side_fields(float* dst, const float* wt_head, int x0, int n, int pitch, int TT,
+                                                 unsigned mask, int nfields, bool key) {
+  for (int i = threadIdx.x; i < nfields * n; i += blockDim.x) {
+    const int f = i / n, c = i % n, x = x0 + c;
+    if (!((mask >> f) & 1u)) continue;
+    const bool inside = x < TT;
+    hw::cp_async_ca<4>(dst + f * pitch + c, inside ? wt_head + static_cast<int64_t>(side_wfield(f, key)) * TT + x
+                                                  : wt_head,
+                       inside ? 4 : 0);
   }
 }
 
@@ -313,27 +351,20 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   unsigned char* base = hw::dynamic_shared_memory();
   T* qbuf = reinterpret_cast<T*>(base);                   // [2][64][ldq]
   T* kbuf = qbuf + 2 * kTileRows * ldq;                   // [2][32][ldq]
-  float* rw = reinterpret_cast<float*>(kbuf + 2 * kTileKeys * ldq);  // [7][hg][65]
-  float* cw = rw + kLoopFields * hg * kRowPitch;                      // [7][hg][33]
-  float* st_m = cw + kLoopFields * hg * kColPitch;                    // [hg][64]
-  float* st_z = st_m + hg * kTileRows;                                // [hg][64] (Partials: 1 / Z)
+  float* rowf = reinterpret_cast<float*>(kbuf + 2 * kTileKeys * ldq);  // [2][7][65] head n's row sides
+  float* colf = rowf + 2 * kLoopFields * kRowPitch;                     // [2][7][33] and column sides
+  float* st_m = colf + 2 * kLoopFields * kColPitch;                     // [hg][64]
+  float* st_z = st_m + hg * kTileRows;                                  // [hg][64] (Partials: 1 / Z)
 
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
-  const float* wt = mp.wt;
-  auto wrow = [&](int n, int f) { return wt + ((static_cast<int64_t>(b) * H + h0 + n) * mp.wfields + f) * TT; };
-  // Field numbers of the 7 loop fields, for the query side (row) and key side (column).
-  auto loop_field = [](int i, bool key) {
-    const int c = key ? 1 : 0;
-    return i < 2 ? wfield_w1(c, i) : i < 4 ? wfield_w2(c, i - 2) : i == 4 ? wfield_g(c) : wfield_w1(c + 2, i - 5);
-  };
+  // The sides an item reads: sweep A W1 of the pre slot; sweep B W2 and G of the pre slot,
+  // and W1 of the post slot for the partials.
+  constexpr unsigned kSweepA = (1u << kW1Pre) | (1u << (kW1Pre + 1));
+  constexpr unsigned kSweepB = (1u << kW2Pre) | (1u << (kW2Pre + 1)) | (1u << kGPre) |
+                               (Partials ? (1u << kW1Post) | (1u << (kW1Post + 1)) : 0u);
 
-  // Row weights and statistics of the tile.
-  for (int i = threadIdx.x; i < kLoopFields * hg * kTileRows; i += blockDim.x) {
-    const int f = i / (hg * kTileRows), n = (i / kTileRows) % hg, r = i % kTileRows;
-    const int t = q0 + r;
-    rw[(f * hg + n) * kRowPitch + r] = t < TT ? wrow(n, loop_field(f, false))[t] : 0.f;
-  }
+  // Statistics of the tile.
   for (int i = threadIdx.x; i < hg * kTileRows; i += blockDim.x) {
     const int n = i / kTileRows, r = i % kTileRows, t = q0 + r;
     if (Partials) {
@@ -347,14 +378,22 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
     }
   }
 
+  // Item = (key tile, sweep, head n): head n's Q and K tiles and the sides of its sweep,
+  // one commit group, double-buffered.
   const int n_items = (kt_hi - kt_lo) * 2 * hg;
   auto issue = [&](int item) {
     if (item < n_items) {
-      const int kt = kt_lo + item / (2 * hg), n = item % hg, stage = item & 1;
+      const int kt = kt_lo + item / (2 * hg), sweep = (item / hg) % 2, n = item % hg, stage = item & 1;
       const int64_t head = static_cast<int64_t>(b) * H + h0 + n;
       load_rows(qbuf + stage * kTileRows * ldq, q + head * TT * p.dh, q0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
       load_rows(kbuf + stage * kTileKeys * ldq, k + head * TT * p.dh, kt * kTileKeys, kTileKeys, TT, p.dh, mp.dh_pad,
                 mp.vec16);
+      const float* wt_head = mp.wt + head * mp.wfields * TT;
+      const unsigned mask = sweep == 0 ? kSweepA : kSweepB;
+      load_side_fields(rowf + stage * kLoopFields * kRowPitch, wt_head, q0, kTileRows, kRowPitch, TT, mask,
+                       kLoopFields, false);
+      load_side_fields(colf + stage * kLoopFields * kColPitch, wt_head, kt * kTileKeys, kTileKeys, kColPitch, TT,
+                       mask, kLoopFields, true);
     }
     hw::cp_async_commit();
   };
@@ -365,14 +404,10 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   for (int item = 0; item < n_items; ++item) {
     const int kt = kt_lo + item / (2 * hg), sweep = (item / hg) % 2, n = item % hg, stage = item & 1;
     const int s0 = kt * kTileKeys;
-    __syncthreads();  // every warp is done with the stage of item - 1 and with cw
+    __syncthreads();  // every warp is done with the stage of item - 1
     issue(item + 1);
     if (sweep == 0 && n == 0) {
-      // A new key tile: its column weights, zero partials.
-      for (int i = threadIdx.x; i < kLoopFields * hg * kTileKeys; i += blockDim.x) {
-        const int f = i / (hg * kTileKeys), nn = (i / kTileKeys) % hg, c = i % kTileKeys, s = s0 + c;
-        cw[(f * hg + nn) * kColPitch + c] = s < TT ? wrow(nn, loop_field(f, true))[s] : 0.f;
-      }
+      // A new key tile: zero partials.
 #pragma unroll
       for (int r = 0; r < kR; ++r)
 #pragma unroll
@@ -385,9 +420,9 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
     float acc[kKeyN8][4];
     qk_tile<T>(acc, qbuf + stage * kTileRows * ldq, kbuf + stage * kTileKeys * ldq, ldq, mp.dh_pad, warp, lane,
                p.scale);
-    const float* rwn = rw + n * kRowPitch;
-    const float* cwn = cw + n * kColPitch;
-    const int fs_r = hg * kRowPitch, fs_c = hg * kColPitch;  // field strides
+    const float* rwn = rowf + stage * kLoopFields * kRowPitch;  // side f of row r at rwn[f * fs_r + r]
+    const float* cwn = colf + stage * kLoopFields * kColPitch;
+    constexpr int fs_r = kRowPitch, fs_c = kColPitch;
     if (sweep == 0) {
 #pragma unroll
       for (int j = 0; j < kKeyN8; ++j)

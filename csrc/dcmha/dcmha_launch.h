@@ -39,16 +39,24 @@ inline void check_backend(const at::Tensor& a, const Shape& s, const char* op) {
                     " exceeds the most heads of the CUDA compose kernel (", kMaxHeads, ")");
 }
 
-inline ComposeParams make_params(const Shape& s, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
-                                 int64_t slot) {
-  ComposeParams p{};
+// The fields the compose and the attention parameters share: the fp32 weights w1, w2, g and
+// B, T, H, hg = H / head_groups.
+template <class Params>
+inline void set_weights(Params& p, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g, int64_t batch,
+                        int64_t seq, int64_t heads, int64_t head_groups) {
   p.w1 = w1.data_ptr<float>();
   p.w2 = w2.data_ptr<float>();
   p.g = g.data_ptr<float>();
-  p.B = static_cast<int>(s.batch);
-  p.T = static_cast<int>(s.seq);
-  p.H = static_cast<int>(s.heads);
-  p.hg = static_cast<int>(s.heads / s.head_groups);
+  p.B = static_cast<int>(batch);
+  p.T = static_cast<int>(seq);
+  p.H = static_cast<int>(heads);
+  p.hg = static_cast<int>(heads / head_groups);
+}
+
+inline ComposeParams make_params(const Shape& s, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,
+                                 int64_t slot) {
+  ComposeParams p{};
+  set_weights(p, w1, w2, g, s.batch, s.seq, s.heads, s.head_groups);
   p.cq = static_cast<int>(2 * slot);
   p.ck = p.cq + 1;
   p.wvec16 = reinterpret_cast<uintptr_t>(p.w1) % 16 == 0 && reinterpret_cast<uintptr_t>(p.w2) % 16 == 0 &&
@@ -102,13 +110,7 @@ inline AttnParams attention_params(const AttnShape& s, const at::Tensor& q, cons
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
-  p.w1 = w1.data_ptr<float>();
-  p.w2 = w2.data_ptr<float>();
-  p.g = g.data_ptr<float>();
-  p.B = static_cast<int>(s.batch);
-  p.T = static_cast<int>(s.seq);
-  p.H = static_cast<int>(s.heads);
-  p.hg = static_cast<int>(s.heads / s.head_groups);
+  set_weights(p, w1, w2, g, s.batch, s.seq, s.heads, s.head_groups);
   p.dh = static_cast<int>(s.head_dim);
   p.dv = static_cast<int>(s.v_dim);
   p.causal = causal ? 1 : 0;
@@ -490,9 +492,9 @@ std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q
   p.stats = stats.data_ptr<float>();
   const int dh_pad = pad16(s.head_dim), dv_pad = pad16(s.v_dim);
   // bf16 / fp16 with dv <= 128 take the tensor-core kernels (dcmha_attention_mma_kernel.cuh)
-  // where their shared memory fits the device (a head group's weights and statistics grow
-  // with hg: H = 32 in one group needs more than the 99 KiB of sm_86/89/120) and their grids
-  // fit CUDA's limits (B * groups on z); fp32, wider dv and the rest the SIMT kernel.
+  // where their shared memory fits the device (the sweeps' row statistics grow with hg,
+  // 0.5 KiB a head; the weights transpose 2.6 KiB a head) and their grids fit CUDA's limits
+  // (B * groups on z); fp32, wider dv and the rest the SIMT kernel.
   const size_t smem_limit = hw::max_dynamic_smem_optin();
   const bool tensor_cores = q.scalar_type() != at::kFloat && dv_pad <= 128 &&
                             static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad)) <= smem_limit &&

@@ -173,17 +173,33 @@ def test_sim_tensor_core_forward_query_chunks(monkeypatch):
     assert torch.equal(chunked, SIM.dcmha_attention(q, k, v, w, window=90))
 
 
-@pytest.mark.parametrize("optin", [101376, 166912], ids=["sm86_99KiB", "sm80_163KiB"])
-def test_sim_tensor_core_forward_falls_back_where_its_smem_does_not_fit(monkeypatch, optin):
-    # 32 heads in one group need ~104 KiB of weights and statistics per CTA (and more with
-    # dh = 200 on sm_80): on a part whose opt-in limit is below that (the emulated limit
-    # lowered by HEADWISE_SIM_SMEM_OPTIN) the call takes the SIMT kernel instead of failing.
-    dh = 8 if optin == 101376 else 200
+@pytest.mark.parametrize("optin,dh,tensor_cores", [(101376, 64, True), (101376, 200, False), (166912, 200, True)],
+                         ids=["sm86_99KiB-dh64", "sm86_99KiB-dh200", "sm80_163KiB-dh200"])
+def test_sim_tensor_core_forward_where_its_smem_fits(monkeypatch, optin, dh, tensor_cores):
+    # 32 heads in one group: the sweeps stream each head's weights with its tiles, so their
+    # shared memory is 2 stages of Q, K and one head's weights plus 0.5 KiB of statistics a
+    # head: 48 KiB at dh = 64 (the 99 KiB parts take the tensor cores), 102 KiB at dh = 200
+    # (sm_80's 163 KiB do; a 99 KiB part, the emulated limit lowered by
+    # HEADWISE_SIM_SMEM_OPTIN, takes the SIMT kernel instead of failing).
+    import importlib.util
+
+    if importlib.util.find_spec("headwise._sim_profile") is None:
+        pytest.skip("headwise._sim_profile not built")
+    from headwise.ops import load_profile_library
+    from headwise.testing import profiled_launches
+
+    ops = load_profile_library()
     (q, k, v), w = _mma_inputs(1, 32, 5, dh, 8, torch.bfloat16)
     monkeypatch.setenv("HEADWISE_SIM_SMEM_OPTIN", str(optin))
-    got = SIM.dcmha_attention(q, k, v, w)
+    got, recs = profiled_launches(lambda: ops.dcmha_attention(q, k, v, w))
     want = reference.dcmha_attention(q.double(), k.double(), v.double(), DCMHAWeights(*(x.double() for x in w)))
     assert rel_err(got.double(), want) <= MMA_TOL[torch.bfloat16]
+    names = {r["kernel"] for r in recs}
+    if tensor_cores:
+        assert {"dcmha_attn_stats", "dcmha_attn_partials", "dcmha_attn_output"} <= names, names
+        assert "dcmha_attention_fwd" not in names
+    else:
+        assert names == {"dcmha_attention_fwd"}, names
 
 
 def test_sim_tensor_core_forward_misaligned_view():
