@@ -80,6 +80,10 @@ def test_estimate_terms():
     wavefronts = H200.sms * H200.clock_hz * 1e-3
     e = estimate(record(smem_wavefronts=wavefronts), 0.0)
     assert e["est_bound"] == "smem" and e["est_us"] == pytest.approx(1000.0)
+    # Round trips: 10,000 CTAs of 2 resident a SM, 100 load rounds each, one L2 latency a round.
+    e = estimate(record(ctas_per_sm=2, load_rounds=10_000 * 100), 0.0)
+    waves = 10_000 / (2 * H200.sms)
+    assert e["est_bound"] == "rtt" and e["est_us"] == pytest.approx(1e6 * waves * 100 * H200.l2_round_trip_s)
 
 
 @pytest.mark.parametrize("key", list(OPS))

@@ -50,6 +50,8 @@ def test_coalesced_copy_is_4_sectors_per_request():
     assert rec["mma"] == 0 and rec["ldmatrix"] == 0 and rec["cp_async_bytes"] == 0
     # One load per thread, all in flight together: 256 threads x 4 bytes.
     assert rec["bytes_in_flight_per_cta"] == 256 * 4
+    # ... in one round trip per CTA.
+    assert rec["load_rounds"] == rec["ctas"]
 
 
 def test_vector_copy_is_16_sectors_per_request():

@@ -87,6 +87,7 @@ struct Launch {
   long long lane_notes[kNotes] = {0, 0, 0};
   double in_flight_sum = 0.0;  // sum over CTAs that load of their bytes in flight
   uint64_t loading_ctas = 0;
+  uint64_t load_rounds = 0;    // sum over CTAs of the most load rounds one of its threads made
   std::unordered_map<uint64_t, LineStats> lines;  // key: pc << 2 | store << 1 | space
 };
 
@@ -322,6 +323,7 @@ std::string launch_json(const Launch& L) {
   append_f64(s, "ldmatrix", static_cast<double>(L.lane_notes[static_cast<int>(Note::ldmatrix)]));
   append_u64(s, "cp_async_bytes", static_cast<uint64_t>(L.lane_notes[static_cast<int>(Note::cp_async_bytes)]));
   append_u64(s, "barriers", L.barriers);
+  append_u64(s, "load_rounds", L.load_rounds);
   append_f64(s, "bytes_in_flight_per_cta", L.loading_ctas ? L.in_flight_sum / static_cast<double>(L.loading_ctas) : 0.0);
   // Worst call sites first: most sectors/wavefronts above the ideal, then most traffic.
   std::vector<const LineStats*> lines;
@@ -429,12 +431,14 @@ void block_end() {
   L.ctas += 1;
   // Bytes in flight toward DRAM: the CTA's first-touch load sectors (the rest are taken
   // to hit in L2) spread over the mean number of load rounds of its threads that load.
-  uint64_t rounds = 0, loading = 0;
+  uint64_t rounds = 0, loading = 0, most = 0;
   for (const Lane& lane : g.lanes)
     if (lane.load_rounds) {
       rounds += lane.load_rounds;
       ++loading;
+      most = std::max<uint64_t>(most, lane.load_rounds);
     }
+  L.load_rounds += most;
   if (loading) {
     L.in_flight_sum += static_cast<double>(g.cta_dram_load_bytes) * static_cast<double>(loading) /
                        static_cast<double>(rounds);

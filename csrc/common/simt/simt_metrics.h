@@ -27,8 +27,9 @@
 // and stores, l2_sectors (every global sector of every request, re-reads included),
 // unique load/store bytes (distinct sectors x 32: the DRAM lower bound), shared requests
 // and wavefronts, barriers (block-wide __syncthreads completions), the HW_SIM_NOTE
-// counters below, and bytes_in_flight_per_cta: the DRAM bytes (load sectors the launch had
-// not loaded before) a CTA's threads load per round (see simt_metrics.cpp).
+// counters below, bytes_in_flight_per_cta: the DRAM bytes (load sectors the launch had
+// not loaded before) a CTA's threads load per round, and load_rounds: per CTA the most load
+// rounds one of its threads made, summed over the CTAs (rounds: see simt_metrics.cpp).
 //
 // HW_SIM_NOTE(kind, n): emulated primitives count work the emulator cannot see as memory
 // accesses (csrc/common/simt/primitives.h calls it):

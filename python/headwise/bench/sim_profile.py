@@ -21,6 +21,12 @@ The estimate (estimate(), constants in H200 only) is the largest of
         CTA's threads load per round (simt_metrics.cpp: sectors the launch had not
         loaded before, per round = between barriers, one loop iteration; a later
         iteration is assumed to wait for the earlier one, i.e. no unrolling)
+  rtt   round trips: a CTA's load rounds (simt_metrics.cpp: the most of one of its
+        threads) one after another, each at least an L2 hit's latency, its resident CTAs
+        side by side: load_rounds (summed over CTAs) x latency / resident CTAs. A floor
+        for kernels whose every round waits for the one before (synchronous loads, a
+        double buffer); a pipeline d copies deep overlaps d rounds, which this does not
+        credit (merge: 3 stages, 2 deep)
   smem  shared-memory wavefronts / (SMs x 1 wavefront per clock)
   mma   mma.sync count x FLOPs per mma / mma.sync ceiling
   issue mma.sync count x the SASS instructions per HMMA of the kernel's steady K-loop
@@ -59,6 +65,7 @@ class GpuModel:
     clock_hz: float = 1.98e9             # boost clock
     hbm_bytes_per_s: float = 4.1e12      # practical HBM3e bandwidth (GPU_REVIEW.md)
     hbm_latency_s: float = 0.8e-6        # loaded DRAM latency, for Little's law
+    l2_round_trip_s: float = 0.2e-6      # an L2 hit's latency, unloaded (~270-300 clocks on sm_90): the rtt floor
     l2_bytes_per_s: float = 10e12        # assumed: published H100 L2 figures span ~5.5-12 TB/s
     mma_flops_per_s: float = 0.65 * 989e12  # mma.sync reaches ~65% of the dense bf16 peak on sm_90
     fp32_flops_per_s: float = 67e12      # FP32 FMA peak
@@ -109,6 +116,7 @@ def estimate(rec: dict, fp32_flops: float, gpu: GpuModel = H200) -> dict:
         "hbm": rec["unique_bytes"] / gpu.hbm_bytes_per_s,
         "l2": rec["l2_sectors"] * 32 / gpu.l2_bytes_per_s,
         "lat": rec["unique_bytes"] / (gpu.hbm_bytes_per_s * share),
+        "rtt": rec.get("load_rounds", 0) * gpu.l2_round_trip_s / resident if resident > 0 else 0.0,
         "smem": rec["smem_wavefronts"] / (gpu.sms * gpu.smem_wavefronts_per_clock * gpu.clock_hz),
         "mma": rec["mma"] * gpu.flops_per_mma / gpu.mma_flops_per_s,
         "issue": rec["mma"] * (rec.get("issue_per_hmma") or 0.0)
@@ -126,7 +134,7 @@ def estimate(rec: dict, fp32_flops: float, gpu: GpuModel = H200) -> dict:
 FITTED = ["ctas", "global_load_requests", "global_load_sectors", "global_load_sectors_ideal", "global_load_bytes",
           "global_store_requests", "global_store_sectors", "global_store_sectors_ideal", "global_store_bytes",
           "unique_load_bytes", "unique_store_bytes", "unique_bytes", "l2_sectors", "smem_requests",
-          "smem_wavefronts", "smem_wavefronts_ideal", "mma", "ldmatrix", "cp_async_bytes", "barriers"]
+          "smem_wavefronts", "smem_wavefronts_ideal", "mma", "ldmatrix", "cp_async_bytes", "barriers", "load_rounds"]
 BF16 = 2  # bytes per element of the profiled dtype
 
 
@@ -411,8 +419,10 @@ OPS: dict[str, OpSpec] = {
     "dcmha": OpSpec(
         "dcmha_attention",
         # T >= 64: full 64-row query tiles; every kernel's work is linear in the heads
-        # (per-head tiles, rank-2 compose), so H = 8 is profiled and the fit scales with B*H.
-        shapes=[dict(B=1, H=8, T=T, dh=128) for T in (64, 128, 192)],
+        # (per-head tiles, rank-2 compose), so the fit scales with B*H; H = 32 in one group,
+        # as at the target, because the sweeps' shared memory (so their CTAs per SM) grows
+        # with the group's heads.
+        shapes=[dict(B=1, H=32, T=T, dh=128) for T in (64, 128, 192)],
         target=dict(B=8, H=32, T=4096, dh=128),
         basis=lambda s: [s["B"] * s["H"], s["B"] * s["H"] * s["T"], s["B"] * s["H"] * s["T"] ** 2],
         run=_attention_run, min_bytes=_attention_bytes, flops=_attention_flops),
