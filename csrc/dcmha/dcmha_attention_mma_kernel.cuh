@@ -127,7 +127,6 @@ __host__ __device__ inline int side_wfield(int i, bool key) {
                  : wfield_g(post);
 }
 
-
 __host__ __device__ inline int64_t mma_loop_smem_bytes(int hg, int dh_pad) {
   const int ldq = dh_pad + 8;
   return int64_t(2) * (kTileRows + kTileKeys) * ldq * 2 +
