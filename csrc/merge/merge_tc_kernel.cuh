@@ -91,6 +91,7 @@ static_assert((kBM * kChunks) % kThreads == 0, "every thread copies the same num
 // kPlainRowStep, i < kPlainRows.
 constexpr int kPlainRowStep = kThreads / kChunks;
 constexpr int kPlainRows = kBM / kPlainRowStep;
+static_assert(kPlainRows * kPlainRowStep == kBM && kPlainRowStep % 8 == 0, "whole rows a thread, one swizzle phase");
 
 // Elements of T per 16-byte chunk and per kBK slice.
 template <typename T>
@@ -162,11 +163,12 @@ __device__ __forceinline__ void copy_chunk(hw::SmemAddr dst, const T* src, int v
 }
 
 // A thread's copy sources of the next slice: Rows rows RowStep apart (row stride ld) from
-// base (the thread's first row and column of src), plus the slice's offset. They are carried from slice to slice: advance() moves
-// them by a slice (a 64-bit add each), seek() sets them at an offset from base (a head
-// change). Carried values are what ptxas cannot rematerialize: values it can recompute from
-// the parameters and threadIdx it recomputes every slice when registers are scarce (python
-// -m headwise.bench.sass counts the SASS; the K loops are issue-bound otherwise).
+// base (the thread's first row and column of src), plus the slice's offset. They are
+// carried from slice to slice: advance() moves them by a slice (a 64-bit add each), seek()
+// sets them at an offset from base (a head change). Carried values are what ptxas cannot
+// rematerialize: values it can recompute from the parameters and threadIdx it recomputes
+// every slice when registers are scarce (python -m headwise.bench.sass counts the SASS;
+// the K loops are issue-bound otherwise).
 template <typename T, int Rows, int RowStep>
 struct SliceSources {
   const T* base;
@@ -189,20 +191,16 @@ struct SliceSources {
 
 // One thread's share of the copies of a plain slice (rows r < kBM of kChunks 16-byte
 // chunks, element (r, k) at src[r * ld + k]): chunk c = tid % kChunks of rows r = tid /
-// kChunks + i * kRowStep, i < kRows (kBM * kChunks / kThreads chunks a thread; rows
-// kRowStep = 32 apart have the same swizzle phase (r >> 1) & 3, so their chunks are
-// kRowStep rows apart in shared memory). What does not depend on the slice (the swizzled
-// shared offset, the row bounds) is formed once per kernel; the sources are SliceSources
-// (the thread's chunk c of row r of the next slice at cur[0]). full(): a
-// whole slice with 16-byte copies (every row in range and k_left >= kBK; the caller
-// decides, uniformly over the CTA) by plain cp.async without bounds or zero fill.
-// operator(): any slice, bounded and zero-filled.
+// kChunks + i * kPlainRowStep, i < kPlainRows (rows kPlainRowStep = 32 apart have the same
+// swizzle phase (r >> 1) & 3, so their chunks are kPlainRowStep rows apart in shared
+// memory). What does not depend on the slice (the swizzled shared offset, the row bounds)
+// is formed once per kernel; the sources are SliceSources (the thread's chunk c of row r
+// of the next slice at cur[0]). full(): a whole slice with 16-byte copies (every row in
+// range and k_left >= kBK; the caller decides, uniformly over the CTA) by plain cp.async
+// without bounds or zero fill. operator(): any slice, bounded and zero-filled.
 template <typename T, int CopyBytes>
 struct PlainSliceCopy : SliceSources<T, kPlainRows, kPlainRowStep> {
-  static constexpr int kRowStep = kPlainRowStep;
-  static constexpr int kRows = kPlainRows;
-  static_assert(kRows * kRowStep == kBM && kRowStep % 8 == 0, "whole rows a thread, one swizzle phase");
-  using SliceSources<T, kRows, kRowStep>::cur;
+  using SliceSources<T, kPlainRows, kPlainRowStep>::cur;
   int smem;         // swizzle(r, c)
   int c_elems;      // c * E
   int64_t rows_left;  // rows_valid - r
@@ -210,8 +208,8 @@ struct PlainSliceCopy : SliceSources<T, kPlainRows, kPlainRowStep> {
 
   // r = tid / kChunks, c = tid % kChunks; the sources start at src + r * ld + c * E.
   __device__ __forceinline__ PlainSliceCopy(const T* src, int64_t ld, int64_t rows_valid)
-      : SliceSources<T, kRows, kRowStep>(src, ld, static_cast<int>(threadIdx.x) / kChunks,
-                                         static_cast<int>(threadIdx.x) % kChunks * kChunkElems<T>) {
+      : SliceSources<T, kPlainRows, kPlainRowStep>(src, ld, static_cast<int>(threadIdx.x) / kChunks,
+                                                   static_cast<int>(threadIdx.x) % kChunks * kChunkElems<T>) {
     const int r = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
     c_elems = c * kChunkElems<T>;
     smem = swizzle(r, c);
@@ -222,7 +220,7 @@ struct PlainSliceCopy : SliceSources<T, kPlainRows, kPlainRowStep> {
   __device__ __forceinline__ bool whole(int k_left) const { return CopyBytes == 16 && all_rows && k_left >= kBK<T>; }
   __device__ __forceinline__ void full(hw::SmemAddr tile) const {
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) hw::cp_async_cg16_full(tile + (smem + i * kRowStep * kRowBytes), cur[i]);
+    for (int i = 0; i < kPlainRows; ++i) hw::cp_async_cg16_full(tile + (smem + i * kPlainRowStep * kRowBytes), cur[i]);
   }
   // The next slice with k_left elements of k left in it (the rest zero-filled); fallback: a
   // readable address.
@@ -232,9 +230,9 @@ struct PlainSliceCopy : SliceSources<T, kPlainRows, kPlainRowStep> {
     const int left = k_left - c_elems;
     const int valid = left <= 0 ? 0 : (left >= E ? E : left);
 #pragma unroll
-    for (int i = 0; i < kRows; ++i)
-      copy_chunk<T, CopyBytes>(tile + (smem + i * kRowStep * kRowBytes), cur[i], i * kRowStep < rows_left ? valid : 0,
-                               fallback);
+    for (int i = 0; i < kPlainRows; ++i)
+      copy_chunk<T, CopyBytes>(tile + (smem + i * kPlainRowStep * kRowBytes), cur[i],
+                               i * kPlainRowStep < rows_left ? valid : 0, fallback);
   }
 };
 
@@ -740,22 +738,20 @@ static_assert(kTransK * kTransRowBytes == kTileBytes, "a transposed slice has th
 constexpr int kTransRowChunks = kTransRowBytes / 16;
 constexpr int kTransRowStep = kThreads / kTransRowChunks;
 constexpr int kTransRows = kTransK / kTransRowStep;
+static_assert(kTransRows * kTransRowStep == kTransK && kTransRowStep % 8 == 0,
+              "whole k rows a thread, one swizzle phase");
 
 __device__ __forceinline__ int swizzle_t(int row, int chunk) { return row * kTransRowBytes + ((chunk ^ (row & 7)) * 16); }
 
 // One thread's share of the copies of a transposed slice (kTransK rows of k, 16 chunks of
 // 8 elements of n each: element (k, n) at src[k * ld + n], columns n < n_cols): chunk c =
-// tid % 16 of k rows r = tid / 16 + i * kRowStep, i < kRows. As PlainSliceCopy: the
-// per-kernel part formed once, the sources carried from slice to slice (SliceSources: the
-// thread's chunk c of k row r of the next slice at cur[0]). Rows kRowStep = 8 apart have the same swizzle phase
-// (r & 7).
+// tid % 16 of k rows r = tid / 16 + i * kTransRowStep, i < kTransRows. As PlainSliceCopy:
+// the per-kernel part formed once, the sources carried from slice to slice (SliceSources:
+// the thread's chunk c of k row r of the next slice at cur[0]). Rows kTransRowStep = 8
+// apart have the same swizzle phase (r & 7).
 template <typename T, int CopyBytes>
 struct TransSliceCopy : SliceSources<T, kTransRows, kTransRowStep> {
-  static constexpr int kRowChunks = kTransRowChunks;
-  static constexpr int kRowStep = kTransRowStep;
-  static constexpr int kRows = kTransRows;
-  static_assert(kRows * kRowStep == kTransK && kRowStep % 8 == 0, "whole k rows a thread, one swizzle phase");
-  using SliceSources<T, kRows, kRowStep>::cur;
+  using SliceSources<T, kTransRows, kTransRowStep>::cur;
   int smem;         // swizzle_t(r, c)
   int r;
   int valid_n;      // elements of chunk c below n_cols (0..8)
@@ -763,29 +759,30 @@ struct TransSliceCopy : SliceSources<T, kTransRows, kTransRowStep> {
 
   // r = tid / 16, c = tid % 16; the sources start at src + r * ld + c * 8.
   __device__ __forceinline__ TransSliceCopy(const T* src, int64_t ld, int64_t n_cols)
-      : SliceSources<T, kRows, kRowStep>(src, ld, static_cast<int>(threadIdx.x) / kRowChunks,
-                                         static_cast<int>(threadIdx.x) % kRowChunks * 8) {
-    r = static_cast<int>(threadIdx.x) / kRowChunks;
-    const int c = static_cast<int>(threadIdx.x) % kRowChunks;
+      : SliceSources<T, kTransRows, kTransRowStep>(src, ld, static_cast<int>(threadIdx.x) / kTransRowChunks,
+                                                   static_cast<int>(threadIdx.x) % kTransRowChunks * 8) {
+    r = static_cast<int>(threadIdx.x) / kTransRowChunks;
+    const int c = static_cast<int>(threadIdx.x) % kTransRowChunks;
     smem = swizzle_t(r, c);
     const int64_t left = n_cols - c * 8;
     valid_n = left <= 0 ? 0 : (left >= 8 ? 8 : static_cast<int>(left));
-    all_cols = n_cols >= kRowChunks * 8;
+    all_cols = n_cols >= kTransRowChunks * 8;
   }
   // Whether full() may copy a slice with k_rows rows of k left (uniform over the CTA).
   __device__ __forceinline__ bool whole(int k_rows) const { return CopyBytes == 16 && all_cols && k_rows >= kTransK; }
   __device__ __forceinline__ void full(hw::SmemAddr tile) const {
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) hw::cp_async_cg16_full(tile + (smem + i * kRowStep * kTransRowBytes), cur[i]);
+    for (int i = 0; i < kTransRows; ++i)
+      hw::cp_async_cg16_full(tile + (smem + i * kTransRowStep * kTransRowBytes), cur[i]);
   }
   // The next slice with k_rows rows of k left in it (the rest zero-filled); fallback: a
   // readable address.
   __device__ __forceinline__ void operator()(hw::SmemAddr tile, int k_rows, const T* fallback) const {
     if (whole(k_rows)) return full(tile);
 #pragma unroll
-    for (int i = 0; i < kRows; ++i)
-      copy_chunk<T, CopyBytes>(tile + (smem + i * kRowStep * kTransRowBytes), cur[i],
-                               r + i * kRowStep < k_rows ? valid_n : 0, fallback);
+    for (int i = 0; i < kTransRows; ++i)
+      copy_chunk<T, CopyBytes>(tile + (smem + i * kTransRowStep * kTransRowBytes), cur[i],
+                               r + i * kTransRowStep < k_rows ? valid_n : 0, fallback);
   }
 };
 
