@@ -11,7 +11,7 @@
 //                                   + W2[s,3,r,m] d_r) v_m[s]
 // The heads of a group meet only through the 8 rank partials (a, b, c, d) of each (t, s).
 //
-// Design: three kernels, every T x S x d product on mma.sync m16n8k16 (ldmatrix operands
+// Design: the kernels below, every T x S x d product on mma.sync m16n8k16 (ldmatrix operands
 // from padded shared memory filled by cp.async), 64 query rows x 32 keys per CTA tile,
 // 4 warps of 16 query rows each; scores live only in the accumulator fragments, and the
 // compose runs on those fragments (the accumulator element (row g + 8 (e >> 1), col
@@ -20,13 +20,19 @@
 //   0. dcmha_attn_weights_t: the weights transposed to head-major [B, H, 20, T] fp32
 //      (fields 0-7 W1[c][r], 8-15 W2[c][r], 16-19 G[c]): O(B H T), so that every later
 //      weight read is a contiguous run along t or s (coalesced).
-//   1. dcmha_attn_stats: CTA per (64-row query tile, b * group), looping the key tiles of
-//      the band; per key tile two sweeps over the group's heads (each head: Q_n and K_n
-//      tiles and the row and column weights the sweep reads, one cp.async group,
-//      double-buffered across heads): sweep A accumulates a_r, b_r in
-//      registers, sweep B recomputes S_n, forms L_n and updates the online row max M_n and
-//      sum Z_n (shared memory, one warp owns its 16 rows: no cross-warp reduction).
-//      Writes stats [2, B, H, T] (M, Z), the layout the backward reads.
+//   1. dcmha_attn_stats: CTA per (256-key split, 64-row query tile, b * group), looping
+//      the key tiles of the band within the split; per key tile two sweeps over the
+//      group's heads (each head: Q_n and K_n tiles and the row and column weights the
+//      sweep reads, one cp.async group, double-buffered across heads): sweep A accumulates
+//      a_r, b_r in registers, sweep B recomputes S_n, forms L_n and updates the online row
+//      max M_n and sum Z_n (shared memory, one warp owns its 16 rows: no cross-warp
+//      reduction). Writes the split's (M, Z) to split_stats [splits, 2, B H, chunk].
+//      The split bounds a CTA's work by 8 key tiles: unsplit, a causal CTA's work grows
+//      with its query tile (the last tile's 128 key tiles at B = 8, T = 4096 are half of
+//      the 252 an SM averages over the launch), and the longest CTAs set the kernel's time.
+//   1b. dcmha_attn_stats_combine: thread per (row, b, head): M = max_i M_i,
+//      Z = sum_i Z_i exp(M_i - M) over the splits of the row's band in split order; writes
+//      stats [2, B, H, T] (M, Z), the layout the backward reads.
 //   2. dcmha_attn_partials: CTA per (256-key split, query tile, b * group): the same two
 //      sweeps, sweep B forming P_n (from M, Z) and accumulating c_r, d_r; writes the 8
 //      partials of its (t, s) tile to the scratch [B * G, 8, chunk, T] fp32.
@@ -35,10 +41,11 @@
 //      partials of the tile read from the scratch, L_m -> P_m -> P'_m on the fragments,
 //      P'_m packed to bf16/fp16 A fragments, O_m += P'_m V_m on mma (V by ldmatrix.trans).
 //      O is staged through shared memory and stored in 16-byte chunks.
-// Kernels 2 and 3 run once per query chunk of `chunk` rows: the scratch is
+// Kernels 1-3 run once per query chunk of `chunk` rows: the scratch is
 // B * G * 8 * chunk * T * 4 bytes, with chunk = a multiple of 64 chosen by the launcher so
-// the scratch stays under kScratchBytes (256 MiB) or is 64 rows (the bound). No tensor of
-// size T * S exists; the saved statistics are O(B H T).
+// the scratch stays under kScratchBytes (256 MiB) or is 64 rows (the bound); split_stats
+// (B * H * 2 * chunk * ceil(T / 256) * 4 bytes) is hg / 1024 of it. No tensor of size T * S
+// exists; the saved statistics are O(B H T).
 //
 // Why this split: the heads of a group are coupled twice per (t, s) (pre and post compose)
 // and the post compose needs every head's final softmax statistics, so each (t, s) tile is
@@ -96,6 +103,7 @@ struct MmaAttnParams {
   AttnParams f;
   const float* wt;   // [B, H, wfields, T] transposed weights (fields 0-19; the backward adds 20-22)
   float* partials;   // [B * G, pfields, chunk, T]: fields 0-7 (a, b, c, d) written by the partials kernel
+  float* split_stats;  // [splits, 2, B * H, chunk]: (M, Z) of each key split, by the statistics sweep
   int wfields;       // kWeightFields in the forward, kBwdWeightFields in the backward
   int pfields;       // 8 in the forward, kBwdPartFields in the backward
   int chunk0;        // first query row of this chunk
@@ -331,21 +339,23 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_weights_t(const AttnPa
 template <typename T, bool Partials>
 __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnParams mp) {
   const AttnParams& p = mp.f;
-  const int H = p.H, TT = p.T, hg = p.hg, G = H / hg;
-  const int bg = blockIdx.z, b = bg / G, grp = bg % G, h0 = grp * hg;
-  const int q0 = (Partials ? mp.chunk0 : 0) + blockIdx.y * kTileRows;
+  const int H = p.H, TT = p.T, hg = p.hg;
+  // Head n of the CTA's group is b * H + grp * hg + n = bg * hg + n of the [B * H] heads.
+  const int bg = blockIdx.z;
+  const int q0 = mp.chunk0 + blockIdx.y * kTileRows;
   if (q0 >= TT) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
   const int ldq = mp.dh_pad + 8;
 
+  // The tile's key band within this CTA's split; a split outside the band has no work
+  // (the combine reads only the splits of each row's band, so writes nothing either).
   int lo, hi;
   key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
-  if (Partials) {
-    const int s_lo = blockIdx.x * kSplitKeys;
-    lo = lo > s_lo ? lo : s_lo;
-    hi = hi < s_lo + kSplitKeys ? hi : s_lo + kSplitKeys;
-  }
-  const int kt_lo = lo / kTileKeys, kt_hi = hi > lo ? (hi + kTileKeys - 1) / kTileKeys : kt_lo;
+  const int s_lo = blockIdx.x * kSplitKeys;
+  lo = lo > s_lo ? lo : s_lo;
+  hi = hi < s_lo + kSplitKeys ? hi : s_lo + kSplitKeys;
+  if (hi <= lo) return;
+  const int kt_lo = lo / kTileKeys, kt_hi = (hi + kTileKeys - 1) / kTileKeys;
 
   unsigned char* base = hw::dynamic_shared_memory();
   T* qbuf = reinterpret_cast<T*>(base);                   // [2][64][ldq]
@@ -367,7 +377,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   for (int i = threadIdx.x; i < hg * kTileRows; i += blockDim.x) {
     const int n = i / kTileRows, r = i % kTileRows, t = q0 + r;
     if (Partials) {
-      const int64_t so = (static_cast<int64_t>(b) * H + h0 + n) * TT + t;
+      const int64_t so = (static_cast<int64_t>(bg) * hg + n) * TT + t;
       const float z = t < TT ? p.stats[static_cast<int64_t>(p.B) * H * TT + so] : 0.f;
       st_m[i] = t < TT ? p.stats[so] : 0.f;
       st_z[i] = z > 0.f ? 1.f / z : 0.f;
@@ -383,7 +393,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   auto issue = [&](int item) {
     if (item < n_items) {
       const int kt = kt_lo + item / (2 * hg), sweep = (item / hg) % 2, n = item % hg, stage = item & 1;
-      const int64_t head = static_cast<int64_t>(b) * H + h0 + n;
+      const int64_t head = static_cast<int64_t>(bg) * hg + n;
       load_rows(qbuf + stage * kTileRows * ldq, q + head * TT * p.dh, q0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
       load_rows(kbuf + stage * kTileKeys * ldq, k + head * TT * p.dh, kt * kTileKeys, kTileKeys, TT, p.dh, mp.dh_pad,
                 mp.vec16);
@@ -539,15 +549,46 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   }
   hw::cp_async_wait<0>();
   if (!Partials) {
+    // The split's (M, Z) of the tile's rows (-inf, 0 where a row keeps no key of the split).
     __syncthreads();
+    const int64_t plane = static_cast<int64_t>(p.B) * H * mp.chunk;
+    float* out = mp.split_stats + static_cast<int64_t>(blockIdx.x) * 2 * plane;
     for (int i = threadIdx.x; i < hg * kTileRows; i += blockDim.x) {
       const int n = i / kTileRows, r = i % kTileRows, t = q0 + r;
       if (t >= TT) continue;
-      const int64_t so = (static_cast<int64_t>(b) * H + h0 + n) * TT + t;
-      p.stats[so] = st_m[i];
-      p.stats[static_cast<int64_t>(p.B) * H * TT + so] = st_z[i];
+      const int64_t so = (static_cast<int64_t>(bg) * hg + n) * mp.chunk + t - mp.chunk0;
+      out[so] = st_m[i];
+      out[plane + so] = st_z[i];
     }
   }
+}
+
+// Kernel 1b: stats [2, B, H, T] of the chunk's rows from the splits of each row's key band,
+// in split order: M = max_i M_i, Z = sum_i Z_i exp(M_i - M) (splits where M_i = -inf
+// skipped; one split gives M_0, Z_0 bitwise). Thread per row; CTA per (64-row query tile,
+// head, b).
+__global__ void __launch_bounds__(kTileRows) dcmha_attn_stats_combine(const MmaAttnParams mp) {
+  const AttnParams& p = mp.f;
+  const int TT = p.T, bh = blockIdx.z * p.H + blockIdx.y;
+  const int t = mp.chunk0 + blockIdx.x * kTileRows + threadIdx.x;
+  if (t >= TT || t >= mp.chunk0 + mp.chunk) return;
+  int lo, hi;
+  key_band(t, 1, TT, p.causal, p.window, lo, hi);
+  const int64_t plane = static_cast<int64_t>(p.B) * p.H * mp.chunk;
+  const float* in = mp.split_stats + static_cast<int64_t>(bh) * mp.chunk + t - mp.chunk0;
+  const int i_lo = lo / kSplitKeys, i_hi = hi > lo ? (hi - 1) / kSplitKeys + 1 : i_lo;
+  float m = -INFINITY;
+  for (int i = i_lo; i < i_hi; ++i) m = fmaxf(m, in[i * 2 * plane]);
+  float z = 0.f;
+  if (m != -INFINITY) {
+    for (int i = i_lo; i < i_hi; ++i) {
+      const float mi = in[i * 2 * plane];
+      if (mi != -INFINITY) z += in[i * 2 * plane + plane] * expf(mi - m);
+    }
+  }
+  const int64_t so = static_cast<int64_t>(bh) * TT + t;
+  p.stats[so] = m;
+  p.stats[static_cast<int64_t>(p.B) * p.H * TT + so] = z;
 }
 
 // Kernel 3: CTA per (query tile of the chunk, head m, b). DvTiles = dv_pad / 8 bound.

@@ -147,10 +147,13 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kWeightFields, p.T}, fopt);
   at::Tensor partials = at::empty({p.B * groups, 8, chunk, p.T}, fopt);
+  const int64_t splits = (p.T + kSplitKeys - 1) / kSplitKeys;
+  at::Tensor split_stats = at::empty({splits, 2, p.B * p.H, chunk}, fopt);
   MmaAttnParams mp{};
   mp.f = p;
   mp.wt = wt.data_ptr<float>();
   mp.partials = partials.data_ptr<float>();
+  mp.split_stats = split_stats.data_ptr<float>();
   mp.chunk = static_cast<int>(chunk);
   mp.wfields = kWeightFields;
   mp.pfields = 8;
@@ -168,6 +171,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
       auto kw = &dcmha_attn_weights_t;
       auto ks = &dcmha_attn_sweep<T, false>;
       auto kp = &dcmha_attn_sweep<T, true>;
+      auto kc = &dcmha_attn_stats_combine;
       auto ko = dv_pad <= 32 ? &dcmha_attn_output<T, 4> : &dcmha_attn_output<T, 16>;
       hw::allow_dynamic_smem("dcmha_attention", kw, wt_smem);
       hw::allow_dynamic_smem("dcmha_attention", ks, loop_smem);
@@ -175,13 +179,15 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
       hw::allow_dynamic_smem("dcmha_attention", ko, out_smem);
       HW_LAUNCH("dcmha_attn_weights_t", kw, dim3(static_cast<unsigned>((p.T + 31) / 32), static_cast<unsigned>(p.B)),
                 dim3(kMmaThreads), wt_smem, p, wt.data_ptr<float>(), kWeightFields);
-      HW_LAUNCH("dcmha_attn_stats", ks, dim3(1, static_cast<unsigned>((p.T + kTileRows - 1) / kTileRows), bg), dim3(kMmaThreads), loop_smem, mp);
       for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
         mp.chunk0 = static_cast<int>(c0);
-        const unsigned chunk_tiles = static_cast<unsigned>((std::min<int64_t>(chunk, p.T - c0) + kTileRows - 1) / kTileRows);
-        HW_LAUNCH("dcmha_attn_partials", kp,
-                  dim3(static_cast<unsigned>((p.T + kSplitKeys - 1) / kSplitKeys), chunk_tiles, bg), dim3(kMmaThreads),
-                  loop_smem, mp);
+        const int64_t rows = std::min<int64_t>(chunk, p.T - c0);
+        const unsigned chunk_tiles = static_cast<unsigned>((rows + kTileRows - 1) / kTileRows);
+        const dim3 sweep_grid(static_cast<unsigned>(splits), chunk_tiles, bg);
+        HW_LAUNCH("dcmha_attn_stats", ks, sweep_grid, dim3(kMmaThreads), loop_smem, mp);
+        HW_LAUNCH("dcmha_attn_stats_combine", kc, dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
+                  dim3(kTileRows), 0, mp);
+        HW_LAUNCH("dcmha_attn_partials", kp, sweep_grid, dim3(kMmaThreads), loop_smem, mp);
         HW_LAUNCH("dcmha_attn_output", ko, dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
                   dim3(kMmaThreads), out_smem, mp);
       }

@@ -367,7 +367,7 @@ def _attention_flops(s):
     pairs = s["B"] * s["H"] * s["T"] * (s["T"] + 1) // 2
     # bf16 (tensor-core kernels, whose FP32 term the model drops): the compose arithmetic
     # of each kernel; the forward's QK^T and PV, the backward's five products on mma.
-    return {"fwd": {"dcmha_attn_weights_t": 0, "dcmha_attn_stats": pairs * COMPOSE_FLOPS,
+    return {"fwd": {"dcmha_attn_weights_t": 0, "dcmha_attn_stats": pairs * COMPOSE_FLOPS, "dcmha_attn_stats_combine": 0,
                     "dcmha_attn_partials": pairs * COMPOSE_FLOPS, "dcmha_attn_output": pairs * 4 * s["dh"]},
             "bwd": {"dcmha_attn_weights_t": 0, "dcmha_attn_partials": pairs * COMPOSE_FLOPS,
                     "dcmha_attn_bwd_dpost": pairs * 4, "dcmha_attn_bwd_rowsum": pairs * COMPOSE_FLOPS,
