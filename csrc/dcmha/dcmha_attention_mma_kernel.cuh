@@ -44,8 +44,8 @@
 // Kernels 1-3 run once per query chunk of `chunk` rows: the scratch is
 // B * G * 8 * chunk * T * 4 bytes, with chunk = a multiple of 64 chosen by the launcher so
 // the scratch stays under kScratchBytes (256 MiB) or is 64 rows (the bound); split_stats
-// (B * H * 2 * chunk * ceil(T / 256) * 4 bytes) is hg / 1024 of it. No tensor of size T * S
-// exists; the saved statistics are O(B H T).
+// (B * H * 2 * chunk * ceil(T / 256) * 4 bytes) is about hg / 1024 of it. No tensor of
+// size T * S exists; the saved statistics are O(B H T).
 //
 // Why this split: the heads of a group are coupled twice per (t, s) (pre and post compose)
 // and the post compose needs every head's final softmax statistics, so each (t, s) tile is

@@ -165,15 +165,17 @@ def test_sim_tensor_core_forward_matches_reference(b, h, t, dh, dv, kw, dtype):
     assert rel_err(stats_sim, stats_cpu) <= 2e-6
 
 
-def test_sim_tensor_core_forward_query_chunks(monkeypatch):
-    # A scratch cap of 1 byte gives 64-row query chunks: T = 150 runs three chunks, with
-    # the same per-tile arithmetic as one chunk, so the outputs are bitwise equal.
-    (q, k, v), w = _mma_inputs(1, 4, 150, 16, 16, torch.bfloat16)
-    whole = SIM.dcmha_attention(q, k, v, w, window=90)
+@pytest.mark.parametrize("t,kw", [(150, dict(window=90)), (300, dict(causal=False))], ids=["T150-window", "T300-full"])
+def test_sim_tensor_core_forward_query_chunks(monkeypatch, t, kw):
+    # A scratch cap of 1 byte gives 64-row query chunks: T = 150 runs three chunks, T = 300
+    # five, whose rows span two 256-key splits (the statistics sweep's split_stats are
+    # chunk-relative), with the same per-tile arithmetic as one chunk: bitwise equal outputs.
+    (q, k, v), w = _mma_inputs(1, 4, t, 16, 16, torch.bfloat16)
+    whole = SIM.dcmha_attention(q, k, v, w, **kw)
     monkeypatch.setenv("HEADWISE_DCMHA_SCRATCH_BYTES", "1")
-    chunked = SIM.dcmha_attention(q, k, v, w, window=90)
+    chunked = SIM.dcmha_attention(q, k, v, w, **kw)
     assert torch.equal(whole, chunked)
-    assert torch.equal(chunked, SIM.dcmha_attention(q, k, v, w, window=90))
+    assert torch.equal(chunked, SIM.dcmha_attention(q, k, v, w, **kw))
 
 
 @pytest.mark.parametrize("optin,dh,tensor_cores", [(101376, 64, True), (101376, 200, False), (166912, 200, True)],
