@@ -30,6 +30,7 @@
 //      The split bounds a CTA's work by 8 key tiles: unsplit, a causal CTA's work grows
 //      with its query tile (the last tile's 128 key tiles at B = 8, T = 4096 are half of
 //      the 252 an SM averages over the launch), and the longest CTAs set the kernel's time.
+//      It runs per statistics chunk (all T rows where split_stats fits the scratch cap).
 //   1b. dcmha_attn_stats_combine: thread per (row, b, head): M = max_i M_i,
 //      Z = sum_i Z_i exp(M_i - M) over the splits of the row's band in split order; writes
 //      stats [2, B, H, T] (M, Z), the layout the backward reads.
@@ -41,11 +42,11 @@
 //      partials of the tile read from the scratch, L_m -> P_m -> P'_m on the fragments,
 //      P'_m packed to bf16/fp16 A fragments, O_m += P'_m V_m on mma (V by ldmatrix.trans).
 //      O is staged through shared memory and stored in 16-byte chunks.
-// Kernels 1-3 run once per query chunk of `chunk` rows: the scratch is
+// Kernels 2 and 3 run once per query chunk of `chunk` rows: the scratch is
 // B * G * 8 * chunk * T * 4 bytes, with chunk = a multiple of 64 chosen by the launcher so
 // the scratch stays under kScratchBytes (256 MiB) or is 64 rows (the bound); split_stats
-// (B * H * 2 * chunk * ceil(T / 256) * 4 bytes) is about hg / 1024 of it. No tensor of
-// size T * S exists; the saved statistics are O(B H T).
+// (B * H * 2 * ceil(T / 256) * 4 bytes a row) is bounded by the same cap, its chunk chosen
+// alike. No tensor of size T * S exists; the saved statistics are O(B H T).
 //
 // Why this split: the heads of a group are coupled twice per (t, s) (pre and post compose)
 // and the post compose needs every head's final softmax statistics, so each (t, s) tile is

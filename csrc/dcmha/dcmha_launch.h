@@ -127,34 +127,40 @@ inline int pad16(int64_t d) { return static_cast<int>((d + 15) / 16 * 16); }
 namespace {
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// Rows of a query chunk of the tensor-core kernels: a multiple of 64 keeping the scratch
-// B G fields chunk T fp32 under kScratchBytes (HEADWISE_DCMHA_SCRATCH_BYTES overrides it,
-// for tests of the chunk loop), at least 64, at most T rounded up to 64.
-inline int64_t query_chunk_rows(const AttnParams& p, int64_t fields) {
-  const int64_t tiles = (p.T + kTileRows - 1) / kTileRows;
+// Rows of a query chunk of a buffer of row_bytes per query row: a multiple of 64 keeping it
+// under kScratchBytes (HEADWISE_DCMHA_SCRATCH_BYTES overrides it, for tests of the chunk
+// loops), at least 64, at most T rounded up to 64.
+inline int64_t chunk_rows_under_cap(int64_t T, int64_t row_bytes) {
+  const int64_t tiles = (T + kTileRows - 1) / kTileRows;
   int64_t cap = kScratchBytes;
   if (const char* env = std::getenv("HEADWISE_DCMHA_SCRATCH_BYTES")) cap = std::max<int64_t>(1, std::atoll(env));
-  const int64_t row_bytes = static_cast<int64_t>(p.B) * (p.H / p.hg) * fields * p.T * 4;
   return std::min(tiles, std::max<int64_t>(1, cap / (row_bytes * kTileRows))) * kTileRows;
 }
 
-// The tensor-core forward (bf16 / fp16): transposed weights, statistics, then per query
-// chunk the rank partials and the output. p holds the forward's pointers and shape.
+// Rows of a query chunk of the tensor-core kernels' scratch, B G fields chunk T fp32.
+inline int64_t query_chunk_rows(const AttnParams& p, int64_t fields) {
+  return chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * (p.H / p.hg) * fields * p.T * 4);
+}
+
+// The tensor-core forward (bf16 / fp16): transposed weights, then per statistics chunk the
+// statistics sweep and its combine, then per query chunk the rank partials and the output.
+// The statistics chunk is as many rows as keep split_stats (B H 2 splits fp32 a row) under
+// the scratch cap: all T rows at B = 8, H = 32, T = 4096 (134 MB), so one launch of
+// 256-key-split CTAs, none with more than 8 key tiles, fills the GPU evenly however causal
+// the band (a launch per 256-row partials chunk would leave the early chunks' launches
+// nearly empty). split_stats is freed before the partials scratch is made.
+// p holds the forward's pointers and shape.
 inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& out, int dh_pad, int dv_pad) {
   const int64_t groups = p.H / p.hg;
   const int64_t chunk = query_chunk_rows(p, 8);
+  const int64_t splits = (p.T + kSplitKeys - 1) / kSplitKeys;
+  const int64_t stats_chunk = chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * p.H * 2 * splits * 4);
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kWeightFields, p.T}, fopt);
-  at::Tensor partials = at::empty({p.B * groups, 8, chunk, p.T}, fopt);
-  const int64_t splits = (p.T + kSplitKeys - 1) / kSplitKeys;
-  at::Tensor split_stats = at::empty({splits, 2, p.B * p.H, chunk}, fopt);
   MmaAttnParams mp{};
   mp.f = p;
   mp.wt = wt.data_ptr<float>();
-  mp.partials = partials.data_ptr<float>();
-  mp.split_stats = split_stats.data_ptr<float>();
-  mp.chunk = static_cast<int>(chunk);
   mp.wfields = kWeightFields;
   mp.pfields = 8;
   mp.dh_pad = dh_pad;
@@ -179,15 +185,32 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
       hw::allow_dynamic_smem("dcmha_attention", ko, out_smem);
       HW_LAUNCH("dcmha_attn_weights_t", kw, dim3(static_cast<unsigned>((p.T + 31) / 32), static_cast<unsigned>(p.B)),
                 dim3(kMmaThreads), wt_smem, p, wt.data_ptr<float>(), kWeightFields);
+      // The tiles of the rows [c0, c0 + rows).
+      auto tiles_of = [&](int64_t c0, int64_t rows) {
+        return static_cast<unsigned>((std::min<int64_t>(rows, p.T - c0) + kTileRows - 1) / kTileRows);
+      };
+      {
+        at::Tensor split_stats = at::empty({splits, 2, p.B * p.H, stats_chunk}, fopt);
+        mp.split_stats = split_stats.data_ptr<float>();
+        mp.chunk = static_cast<int>(stats_chunk);
+        for (int64_t c0 = 0; c0 < p.T; c0 += stats_chunk) {
+          mp.chunk0 = static_cast<int>(c0);
+          const unsigned tiles = tiles_of(c0, stats_chunk);
+          HW_LAUNCH("dcmha_attn_stats", ks, dim3(static_cast<unsigned>(splits), tiles, bg), dim3(kMmaThreads),
+                    loop_smem, mp);
+          HW_LAUNCH("dcmha_attn_stats_combine", kc, dim3(tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
+                    dim3(kTileRows), 0, mp);
+        }
+        mp.split_stats = nullptr;
+      }
+      at::Tensor partials = at::empty({p.B * groups, 8, chunk, p.T}, fopt);
+      mp.partials = partials.data_ptr<float>();
+      mp.chunk = static_cast<int>(chunk);
       for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
         mp.chunk0 = static_cast<int>(c0);
-        const int64_t rows = std::min<int64_t>(chunk, p.T - c0);
-        const unsigned chunk_tiles = static_cast<unsigned>((rows + kTileRows - 1) / kTileRows);
-        const dim3 sweep_grid(static_cast<unsigned>(splits), chunk_tiles, bg);
-        HW_LAUNCH("dcmha_attn_stats", ks, sweep_grid, dim3(kMmaThreads), loop_smem, mp);
-        HW_LAUNCH("dcmha_attn_stats_combine", kc, dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
-                  dim3(kTileRows), 0, mp);
-        HW_LAUNCH("dcmha_attn_partials", kp, sweep_grid, dim3(kMmaThreads), loop_smem, mp);
+        const unsigned chunk_tiles = tiles_of(c0, chunk);
+        HW_LAUNCH("dcmha_attn_partials", kp, dim3(static_cast<unsigned>(splits), chunk_tiles, bg), dim3(kMmaThreads),
+                  loop_smem, mp);
         HW_LAUNCH("dcmha_attn_output", ko, dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
                   dim3(kMmaThreads), out_smem, mp);
       }
