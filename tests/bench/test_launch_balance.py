@@ -25,3 +25,13 @@ def test_the_statistics_layouts_do_the_same_work_in_bounded_ctas():
     assert max(max(w) for w in cases["256-row chunks"]) == 8
     assert max(cases["one launch"][0]) == 8
     assert len(cases["256-row chunks"]) == 4
+
+
+def test_the_partials_layouts_do_the_same_work_and_pairing_evens_the_launches():
+    cases = lb.partials_cases(batch=1, seq=1024)
+    totals = {name: sum(sum(w) for w in launches) for name, launches in cases.items()}
+    assert len(set(totals.values())) == 1, totals
+    assert [len(cases[name]) for name in ("256 rows", "512 rows", "1024 rows", "256 paired")] == [4, 2, 1, 4]
+    per_launch = [sum(w) for w in cases["256 paired"]]
+    assert len(set(per_launch)) == 1, per_launch
+    assert len({sum(w) for w in cases["256 rows"]}) == 4

@@ -12,13 +12,17 @@ warps cannot fill an SM's issue slots). A CTA's work is counted in key tiles. La
 one loop run one after another. The time is reported against the balanced bound, all the
 work over all the SMs at full rate.
 
-Case: the DCMHA statistics sweep (dcmha_attention_mma_kernel.cuh) at the target shape,
-B = 8, one group of H = 32 heads, T = 4096 causal, 64-row query tiles, 32-key tiles:
+Cases, the DCMHA sweeps (dcmha_attention_mma_kernel.cuh) at the target shape, B = 8, one
+group of H = 32 heads, T = 4096 causal, 64-row query tiles, 32-key tiles:
+- the statistics sweep (3 CTAs per sm_90 SM):
   unsplit        one launch, a CTA per (query tile, b): tile i holds 2 (i + 1) key tiles
-  256-row chunks a launch per 256-row query chunk, a CTA per (256-key split, tile, b),
-                 as the partials sweep runs (its scratch bounds the chunk)
+  256-row chunks a launch per 256-row query chunk, a CTA per (256-key split, tile, b)
   one launch     a CTA per (256-key split, tile, b) over all rows (what the launcher does
                  where split_stats fits the scratch cap)
+- the partials sweep (2 CTAs per sm_90 SM), a launch per query chunk because its scratch
+  (B G 8 chunk T fp32) bounds the chunk: 256 rows under today's 256 MiB cap, larger chunks
+  (a larger cap), or 256-row chunks of query tiles paired from both ends of the band
+  (tiles 2c, 2c + 1, 62 - 2c, 63 - 2c), whose launches then hold equal work.
 """
 
 from __future__ import annotations
@@ -74,16 +78,38 @@ def stats_cases(batch: int = 8, seq: int = 4096, chunk: int = 256) -> dict[str, 
     }
 
 
+def partials_cases(batch: int = 8, seq: int = 4096) -> dict[str, list[list[int]]]:
+    """The launches of the partials sweep per query chunk: contiguous chunks of 256, 512 and
+    1024 rows, and 256-row chunks of tiles paired from both ends of the band."""
+    cases = {f"{rows} rows": [split_ctas(range(c0, c0 + rows), batch) for c0 in range(0, seq, rows)]
+             for rows in (256, 512, 1024)}
+    tiles = seq // 64
+
+    def paired(c: int) -> list[int]:
+        picks = (2 * c, 2 * c + 1, tiles - 2 - 2 * c, tiles - 1 - 2 * c)
+        return [w for _ in range(batch) for i in picks for w in split_ctas(range(64 * i, 64 * i + 64), 1)]
+
+    cases["256 paired"] = [paired(c) for c in range(tiles // 4)]
+    return cases
+
+
+def table(title: str, cases: dict[str, list[list[int]]], configs) -> list[str]:
+    balanced = sum(sum(w) for w in next(iter(cases.values()))) / SMS
+    lines = [title, f"{'CTAs per SM, cap of one CTA':<30}" + "".join(f"{name:>16}" for name in cases)]
+    for slots, cap in configs:
+        spans = [sum(makespan(w, slots, cap) for w in launches) / balanced for launches in cases.values()]
+        lines.append(f"{f'{slots}, {cap:.2f}':<30}" + "".join(f"{x:>15.2f}x" for x in spans))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m headwise.bench.launch_balance", description=__doc__.split("\n")[2])
     ap.parse_args(argv)
-    cases = stats_cases()
-    balanced = sum(sum(w) for w in cases["unsplit"]) / SMS
-    print("DCMHA statistics sweep, B=8 H=32 T=4096 causal: makespan / balanced (ESTIMATE, processor sharing)")
-    print(f"{'CTAs per SM, cap of one CTA':<30}" + "".join(f"{name:>16}" for name in cases))
-    for slots, cap in ((3, 1 / 3), (3, 0.5), (3, 1.0), (2, 0.5), (1, 1.0)):
-        spans = [sum(makespan(w, slots, cap) for w in launches) / balanced for launches in cases.values()]
-        print(f"{f'{slots}, {cap:.2f}':<30}" + "".join(f"{x:>15.2f}x" for x in spans))
+    head = "B=8 H=32 T=4096 causal: makespan / balanced (ESTIMATE, processor sharing)"
+    configs = ((3, 1 / 3), (3, 0.5), (3, 1.0), (2, 0.5), (1, 1.0))
+    print("\n".join(table(f"DCMHA statistics sweep, {head}", stats_cases(), configs)))
+    print()
+    print("\n".join(table(f"DCMHA partials sweep per query chunk, {head}", partials_cases(), configs)))
     return 0
 
 
