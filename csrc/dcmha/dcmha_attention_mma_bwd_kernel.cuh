@@ -19,7 +19,7 @@
 // the 16 rank fields a b c d dc dd da db), seven launches, every T x S x d product on
 // mma.sync m16n8k16 (the forward's 64 x 32 warp tiling, qk_tile and fragment_times_rows):
 //   1. dcmha_attn_partials (the forward's kernel): a, b, c, d of the chunk.
-//   2. dcmha_attn_bwd_sweep<Pre = false>: CTA per (256-key split, 64-row query tile, b G);
+//   2. dcmha_attn_bwd_sweep<Pre = false>: CTA per (32-key tile, 64-row query tile, b G);
 //      per key tile and head dP' = dO V^T on mma, dc and dd summed over the group's heads.
 //   3. dcmha_attn_bwd_rows<Dq = false>: CTA per (query tile, head, b); per key tile S and
 //      dP' on mma, P and dP on the fragments: D and the slot-2 weight grads, reduced over
@@ -80,6 +80,7 @@ struct MmaAttnBwdParams {
   void* dq;          // [B, H, T, dh]
   float* dk;         // [B, H, T, dh] fp32, added to by every chunk (zeroed by the launcher)
   float* dv;         // [B, H, T, dv] fp32, likewise
+  int key_tile0;     // 64-key tile of the key kernels' blockIdx.x = 0 (the first of the chunk's band)
   float* gt;         // [B, H, 20, T] fp32 weight grads in the weights table's fields (W1, W2, G
                      // per slot): query slots written, key slots added to (zeroed); the
                      // launcher transposes it to dw1, dw2, dg (dcmha_attn_grads_untranspose)
@@ -224,7 +225,8 @@ __host__ __device__ inline int64_t bwd_keys_smem_bytes(int dh_pad, int dv_pad) {
          int64_t(4) * (2 * kQuerySide * (kQueryTileCols + 1) + kKeySide * kRowPitch);
 }
 
-// Launches 2 and 4: CTA per (key split, query tile of the chunk, b * G).
+// Launches 2 and 4: CTA per (kSweepSplitKeys keys, query tile of the chunk, b * G), like
+// launch 1's: one key tile, so the per-chunk launches fill the GPU.
 template <typename T, bool Pre>
 __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_sweep(const MmaAttnBwdParams bp) {
   const MmaAttnParams& mp = bp.m;
@@ -238,10 +240,11 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_sweep(const MmaAtt
 
   int lo, hi;
   key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
-  const int s_lo = blockIdx.x * kSplitKeys;
+  const int s_lo = (mp.split0 + blockIdx.x) * kSweepSplitKeys;
   lo = lo > s_lo ? lo : s_lo;
-  hi = hi < s_lo + kSplitKeys ? hi : s_lo + kSplitKeys;
-  const int kt_lo = lo / kTileKeys, kt_hi = hi > lo ? (hi + kTileKeys - 1) / kTileKeys : kt_lo;
+  hi = hi < s_lo + kSweepSplitKeys ? hi : s_lo + kSweepSplitKeys;
+  if (hi <= lo) return;
+  const int kt_lo = lo / kTileKeys, kt_hi = (hi + kTileKeys - 1) / kTileKeys;
 
   unsigned char* base = hw::dynamic_shared_memory();
   T* obuf = reinterpret_cast<T*>(base);       // [2][64][ldv] dO
@@ -414,7 +417,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
 
   int lo, hi;
   key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
-  const int kt_lo = lo / kTileKeys, kt_hi = hi > lo ? (hi + kTileKeys - 1) / kTileKeys : kt_lo;
+  const int kt_lo = lo / kTileKeys, kt_hi = (hi + kTileKeys - 1) / kTileKeys;
   const int n_tiles = kt_hi - kt_lo;
 
   load_rows(qs, static_cast<const T*>(p.q) + head * TT * p.dh, q0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
@@ -502,7 +505,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
 }
 
 // Launches 6 (Dk = false: dv, slot-3 grads) and 7 (Dk = true: dk, slot-1 grads): CTA per (64-key
-// tile, head m, b), looping the chunk's 32-row query tiles that read its keys. Rows of the
+// tile of the chunk's key band, head m, b), looping the chunk's 32-row query tiles that read its keys. Rows of the
 // fragments are keys s, columns queries t. DTiles bounds dv_pad / 8 (dh_pad / 8 for dk).
 template <typename T, bool Dk, int DTiles>
 __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_keys(const MmaAttnBwdParams bp) {
@@ -510,7 +513,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_keys(const MmaAttn
   const AttnParams& p = mp.f;
   const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.y, b = blockIdx.z;
   const int bg = b * (H / hg) + m / hg;
-  const int s0 = blockIdx.x * kTileRows;
+  const int s0 = (bp.key_tile0 + blockIdx.x) * kTileRows;
   // Query rows reading keys [s0, s0 + 64): causal t >= s0, window t < s0 + 63 + W.
   int lo = p.causal ? s0 : 0, hi = p.window > 0 ? s0 + kTileRows - 1 + p.window : TT;
   lo = lo > mp.chunk0 ? lo : mp.chunk0;

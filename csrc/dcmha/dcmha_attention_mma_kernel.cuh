@@ -34,9 +34,13 @@
 //   1b. dcmha_attn_stats_combine: thread per (row, b, head): M = max_i M_i,
 //      Z = sum_i Z_i exp(M_i - M) over the splits of the row's band in split order; writes
 //      stats [2, B, H, T] (M, Z), the layout the backward reads.
-//   2. dcmha_attn_partials: CTA per (256-key split, query tile, b * group): the same two
+//   2. dcmha_attn_partials: CTA per (32-key tile, query tile, b * group): the same two
 //      sweeps, sweep B forming P_n (from M, Z) and accumulating c_r, d_r; writes the 8
-//      partials of its (t, s) tile to the scratch [B * G, 8, chunk, T] fp32.
+//      partials of its (t, s) tile to the scratch [B * G, 8, chunk, T] fp32. Its (t, s)
+//      tiles are independent (no combine), so a CTA holds one key tile: the sweep runs a
+//      launch per query chunk (its scratch bounds the chunk), and one key tile a CTA
+//      gives even a causal band's early chunks enough CTAs to fill the GPU (256-key
+//      splits left 256-row chunks at ~1.5x their balanced time: bench/RESULTS.md).
 //   3. dcmha_attn_output: CTA per (query tile, head m, b): flash-style loop over the key
 //      tiles of the band (K_m, V_m tiles by cp.async, double-buffered): S_m on mma, the
 //      partials of the tile read from the scratch, L_m -> P_m -> P'_m on the fragments,
@@ -93,7 +97,8 @@ constexpr int kTileKeys = 32;   // keys per tile
 constexpr int kMmaThreads = 128;
 constexpr int kKeyN8 = kTileKeys / 8;         // n8 tiles of a key tile
 constexpr int kWeightFields = 20;             // W1[4][2], W2[4][2], G[4]
-constexpr int kSplitKeys = 256;               // keys per CTA of the partials kernel
+constexpr int kStatsSplitKeys = 256;          // keys per CTA of the statistics sweep (split_stats)
+constexpr int kSweepSplitKeys = 32;           // keys per CTA of the sweeps that write the scratch
 constexpr int kRowPitch = kTileRows + 1;      // smem pitch of a head's row weights
 constexpr int kColPitch = kTileKeys + 1;
 constexpr int kLoopFields = 7;                // sides 0-6: W1 r0 r1, W2 r0 r1, G of the pre slot; W1 r0 r1 of post
@@ -108,6 +113,7 @@ struct MmaAttnParams {
   int wfields;       // kWeightFields in the forward, kBwdWeightFields in the backward
   int pfields;       // 8 in the forward, kBwdPartFields in the backward
   int chunk0;        // first query row of this chunk
+  int split0;        // key split of a sweep's blockIdx.x = 0 (the splits before the chunk's band have no work)
   int chunk;         // rows of the scratch (a multiple of 64)
   int dh_pad, dv_pad;
   int vec16;         // q, k, v, out 16-byte aligned and dh, dv multiples of 8
@@ -154,7 +160,7 @@ __device__ __forceinline__ bool kept_pair(int t, int s, int T, int causal, int w
 }
 
 // The key band [lo, hi) of query rows [q0, q0 + rows).
-__device__ __forceinline__ void key_band(int q0, int rows, int T, int causal, int window, int& lo, int& hi) {
+__host__ __device__ inline void key_band(int q0, int rows, int T, int causal, int window, int& lo, int& hi) {
   const int q1 = (q0 + rows < T ? q0 + rows : T) - 1;  // last real row
   hi = causal ? q1 + 1 : T;
   lo = window > 0 ? (q0 - window + 1 > 0 ? q0 - window + 1 : 0) : 0;
@@ -336,7 +342,8 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_weights_t(const AttnPa
   }
 }
 
-// Kernels 1 and 2 (Partials = false / true): CTA per (key split, query tile, b * G).
+// Kernels 1 and 2 (Partials = false / true): CTA per (key split, query tile, b * G), the
+// split kStatsSplitKeys (statistics) or kSweepSplitKeys (partials) keys.
 template <typename T, bool Partials>
 __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnParams mp) {
   const AttnParams& p = mp.f;
@@ -352,9 +359,10 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   // (the combine reads only the splits of each row's band, so writes nothing either).
   int lo, hi;
   key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
-  const int s_lo = blockIdx.x * kSplitKeys;
+  constexpr int kSplit = Partials ? kSweepSplitKeys : kStatsSplitKeys;
+  const int s_lo = (mp.split0 + blockIdx.x) * kSplit;
   lo = lo > s_lo ? lo : s_lo;
-  hi = hi < s_lo + kSplitKeys ? hi : s_lo + kSplitKeys;
+  hi = hi < s_lo + kSplit ? hi : s_lo + kSplit;
   if (hi <= lo) return;
   const int kt_lo = lo / kTileKeys, kt_hi = (hi + kTileKeys - 1) / kTileKeys;
 
@@ -577,7 +585,7 @@ __global__ void __launch_bounds__(kTileRows) dcmha_attn_stats_combine(const MmaA
   key_band(t, 1, TT, p.causal, p.window, lo, hi);
   const int64_t plane = static_cast<int64_t>(p.B) * p.H * mp.chunk;
   const float* in = mp.split_stats + static_cast<int64_t>(bh) * mp.chunk + t - mp.chunk0;
-  const int i_lo = lo / kSplitKeys, i_hi = hi > lo ? (hi - 1) / kSplitKeys + 1 : i_lo;
+  const int i_lo = lo / kStatsSplitKeys, i_hi = hi > lo ? (hi - 1) / kStatsSplitKeys + 1 : i_lo;
   float m = -INFINITY;
   for (int i = i_lo; i < i_hi; ++i) m = fmaxf(m, in[i * 2 * plane]);
   float z = 0.f;

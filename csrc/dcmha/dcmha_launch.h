@@ -142,6 +142,22 @@ inline int64_t query_chunk_rows(const AttnParams& p, int64_t fields) {
   return chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * (p.H / p.hg) * fields * p.T * 4);
 }
 
+// Query tiles of the chunk of rows [c0, c0 + rows) of a sequence of T rows.
+inline unsigned query_tiles(int64_t T, int64_t c0, int64_t rows) {
+  return static_cast<unsigned>((std::min<int64_t>(rows, T - c0) + kTileRows - 1) / kTileRows);
+}
+
+// The blocks of `keys` keys that hold the key band of the rows [c0, c0 + rows): a grid x
+// over key blocks (the sweeps' splits, the key kernels' tiles), the first one in first (the
+// CTAs of the blocks outside the band would have no work).
+inline unsigned band_key_blocks(const AttnParams& p, int64_t c0, int64_t rows, int keys, int& first) {
+  int lo, hi;
+  key_band(static_cast<int>(c0), static_cast<int>(std::min<int64_t>(rows, p.T - c0)), p.T, p.causal, p.window, lo,
+           hi);
+  first = lo / keys;
+  return static_cast<unsigned>((hi + keys - 1) / keys - first);
+}
+
 // The tensor-core forward (bf16 / fp16): transposed weights, then per statistics chunk the
 // statistics sweep and its combine, then per query chunk the rank partials and the output.
 // The statistics chunk is as many rows as keep split_stats (B H 2 splits fp32 a row) under
@@ -154,7 +170,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
                                  const at::Tensor& out, int dh_pad, int dv_pad) {
   const int64_t groups = p.H / p.hg;
   const int64_t chunk = query_chunk_rows(p, 8);
-  const int64_t splits = (p.T + kSplitKeys - 1) / kSplitKeys;
+  const int64_t splits = (p.T + kStatsSplitKeys - 1) / kStatsSplitKeys;
   const int64_t stats_chunk = chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * p.H * 2 * splits * 4);
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kWeightFields, p.T}, fopt);
@@ -185,17 +201,14 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
       hw::allow_dynamic_smem("dcmha_attention", ko, out_smem);
       HW_LAUNCH("dcmha_attn_weights_t", kw, dim3(static_cast<unsigned>((p.T + 31) / 32), static_cast<unsigned>(p.B)),
                 dim3(kMmaThreads), wt_smem, p, wt.data_ptr<float>(), kWeightFields);
-      // The tiles of the rows [c0, c0 + rows).
-      auto tiles_of = [&](int64_t c0, int64_t rows) {
-        return static_cast<unsigned>((std::min<int64_t>(rows, p.T - c0) + kTileRows - 1) / kTileRows);
-      };
       {
         at::Tensor split_stats = at::empty({splits, 2, p.B * p.H, stats_chunk}, fopt);
         mp.split_stats = split_stats.data_ptr<float>();
         mp.chunk = static_cast<int>(stats_chunk);
+        mp.split0 = 0;  // the statistics grid spans every split (split_stats is indexed by split)
         for (int64_t c0 = 0; c0 < p.T; c0 += stats_chunk) {
           mp.chunk0 = static_cast<int>(c0);
-          const unsigned tiles = tiles_of(c0, stats_chunk);
+          const unsigned tiles = query_tiles(p.T, c0, stats_chunk);
           HW_LAUNCH("dcmha_attn_stats", ks, dim3(static_cast<unsigned>(splits), tiles, bg), dim3(kMmaThreads),
                     loop_smem, mp);
           HW_LAUNCH("dcmha_attn_stats_combine", kc, dim3(tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
@@ -208,8 +221,9 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
       mp.chunk = static_cast<int>(chunk);
       for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
         mp.chunk0 = static_cast<int>(c0);
-        const unsigned chunk_tiles = tiles_of(c0, chunk);
-        HW_LAUNCH("dcmha_attn_partials", kp, dim3(static_cast<unsigned>(splits), chunk_tiles, bg), dim3(kMmaThreads),
+        const unsigned chunk_tiles = query_tiles(p.T, c0, chunk);
+        const unsigned chunk_splits = band_key_blocks(p, c0, chunk, kSweepSplitKeys, mp.split0);
+        HW_LAUNCH("dcmha_attn_partials", kp, dim3(chunk_splits, chunk_tiles, bg), dim3(kMmaThreads),
                   loop_smem, mp);
         HW_LAUNCH("dcmha_attn_output", ko, dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
                   dim3(kMmaThreads), out_smem, mp);
@@ -275,8 +289,6 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   const size_t keys_smem = static_cast<size_t>(bwd_keys_smem_bytes(dh_pad, dv_pad));
   const unsigned bg = static_cast<unsigned>(p.B * groups), H = static_cast<unsigned>(p.H),
                  B = static_cast<unsigned>(p.B);
-  const unsigned splits = static_cast<unsigned>((p.T + kSplitKeys - 1) / kSplitKeys);
-  const unsigned key_tiles = static_cast<unsigned>((p.T + kTileRows - 1) / kTileRows);
   dispatch_storage_dtype(q.scalar_type(), "dcmha_attention_backward", "q", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same<T, float>::value) {
@@ -301,8 +313,9 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
                 wt_smem, p, wt.data_ptr<float>(), kBwdWeightFields);
       for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
         bp.m.chunk0 = static_cast<int>(c0);
-        const unsigned tiles =
-            static_cast<unsigned>((std::min<int64_t>(chunk, p.T - c0) + kTileRows - 1) / kTileRows);
+        const unsigned tiles = query_tiles(p.T, c0, chunk);
+        const unsigned splits = band_key_blocks(p, c0, chunk, kSweepSplitKeys, bp.m.split0);
+        const unsigned key_tiles = band_key_blocks(p, c0, chunk, kTileRows, bp.key_tile0);
         const dim3 sweep_grid(splits, tiles, bg), rows_grid(tiles, H, B), keys_grid(key_tiles, H, B);
         HW_LAUNCH("dcmha_attn_partials", kp, sweep_grid, dim3(kMmaThreads), loop_smem, bp.m);
         HW_LAUNCH("dcmha_attn_bwd_dpost", k_post, sweep_grid, dim3(kMmaThreads), post_smem, bp);

@@ -27,11 +27,36 @@ def test_the_statistics_layouts_do_the_same_work_in_bounded_ctas():
     assert len(cases["256-row chunks"]) == 4
 
 
-def test_the_partials_layouts_do_the_same_work_and_pairing_evens_the_launches():
+def test_a_launch_is_spread_over_the_sms_before_any_gets_a_second_cta():
+    # One CTA per SM, each alone at full rate; filling SMs first would run three at a
+    # third of an SM each.
+    assert lb.makespan([1.0] * lb.SMS, slots=3, cap=1.0) == pytest.approx(1.0)
+
+
+def test_the_partials_layouts_do_the_same_work_and_key_tile_ctas_hold_one_tile():
     cases = lb.partials_cases(batch=1, seq=1024)
     totals = {name: sum(sum(w) for w in launches) for name, launches in cases.items()}
     assert len(set(totals.values())) == 1, totals
-    assert [len(cases[name]) for name in ("256 rows", "512 rows", "1024 rows", "256 paired")] == [4, 2, 1, 4]
-    per_launch = [sum(w) for w in cases["256 paired"]]
-    assert len(set(per_launch)) == 1, per_launch
-    assert len({sum(w) for w in cases["256 rows"]}) == 4
+    assert [len(launches) for launches in cases.values()] == [4, 4, 1, 1]
+    assert max(max(w) for w in cases["256 rows, 32 keys"]) == 1
+    assert max(max(w) for w in cases["256 rows, 256 keys"]) == 8
+
+
+def test_the_backward_cases_count_each_kernels_work_alike_before_and_now():
+    batch, heads, seq = 2, 3, 512
+    cases = lb.backward_cases(batch=batch, heads=heads, seq=seq, chunk=128)
+    tiles = seq // 64
+    for kernel in lb.BACKWARD_KERNELS:
+        before, now = (sum(sum(w) for w in cases[n][kernel]) for n in ("before", "now"))
+        assert before == now, kernel
+        assert len(cases["now"][kernel]) == seq // 128
+    # A sweep's key tiles of a causal band: 2 (i + 1) per query tile i and b (heads looped
+    # inside the CTA); a row kernel's the same per head; the now-sweeps hold one tile a CTA.
+    band = batch * sum(2 * (i + 1) for i in range(tiles))
+    assert sum(sum(w) for w in cases["now"]["dcmha_attn_bwd_dpre"]) == band
+    assert max(max(w) for w in cases["now"]["dcmha_attn_bwd_dpre"]) == 1
+    assert sum(sum(w) for w in cases["now"]["dcmha_attn_bwd_rowsum"]) == heads * band
+    # A key kernel's 32-row query steps: per 64-key tile j the rows t >= 64 j of each chunk.
+    steps = sum(-(-(c0 + 128 - max(c0, 64 * j)) // 32) for c0 in range(0, seq, 128) for j in range(tiles)
+                if c0 + 128 > 64 * j)
+    assert sum(sum(w) for w in cases["now"]["dcmha_attn_bwd_dk"]) == batch * heads * steps

@@ -326,6 +326,41 @@ def test_sim_tensor_core_backward_query_chunks(monkeypatch, case):
             assert torch.equal(x, y), name
 
 
+def test_sim_tensor_core_grids_hold_only_the_chunks_key_band(monkeypatch):
+    """Per 64-row query chunk, the sweeps' grids (a CTA per 32-key block) and the key
+    kernels' (a CTA per 64-key tile) start at the chunk's first key and end at its last:
+    causal with a window, the blocks outside the band are not launched."""
+    import importlib.util
+
+    if importlib.util.find_spec("headwise._sim_profile") is None:
+        pytest.skip("headwise._sim_profile not built")
+    from headwise.ops import load_profile_library
+    from headwise.testing import profiled_launches
+
+    t, window = 200, 70
+    monkeypatch.setenv("HEADWISE_DCMHA_SCRATCH_BYTES", "1")
+    ops = load_profile_library()
+    (got, want), recs = profiled_launches(
+        lambda: _mma_backward_case(ops.dcmha_attention, 1, 2, t, 16, 16, dict(window=window), torch.bfloat16))
+    for name, x, y in zip(NAMES, got, want):
+        assert rel_err(x.double(), y) <= MMA_BWD_TOL[torch.bfloat16], name
+
+    def blocks(keys):
+        out = []
+        for c0 in range(0, t, 64):
+            lo, hi = max(0, c0 - window + 1), min(t, c0 + 64)
+            out.append(-(-hi // keys) - lo // keys)
+        return out
+
+    grids = {}
+    for r in recs:
+        grids.setdefault(r["kernel"], []).append(r["grid"][0])
+    assert grids["dcmha_attn_partials"] == blocks(32) * 2  # the forward's, then the backward's
+    assert grids["dcmha_attn_bwd_dpost"] == grids["dcmha_attn_bwd_dpre"] == blocks(32)
+    assert grids["dcmha_attn_bwd_dv"] == grids["dcmha_attn_bwd_dk"] == blocks(64)
+    assert blocks(32)[-1] < -(-t // 32) and blocks(64)[-1] < -(-t // 64)  # the window cut the last chunk's
+
+
 @pytest.mark.parametrize("optin", [101376, 166912], ids=["sm86_99KiB", "sm80_163KiB"])
 def test_sim_tensor_core_backward_falls_back_where_it_does_not_fit(monkeypatch, optin):
     # dh = 200 (padded beyond the 128 the warp accumulators hold) and, on a 99 KiB part,

@@ -5,24 +5,31 @@ ESTIMATE that no GPU has checked. The emulator's estimate (sim_profile.py) sprea
 launch's work evenly over the SMs; this asks what the CTAs' unequal work and the launch
 boundaries cost on top of that.
 
-Model: the grid's CTAs are dispatched in linear block order (x fastest) to whichever SM
-has a free slot (`slots` resident CTAs per SM, from registers and shared memory); the
+Model: the grid's CTAs are dispatched in linear block order (x fastest) to the SMs with
+free slots (`slots` resident CTAs per SM, from registers and shared memory), breadth
+first: an SM gets a second resident CTA only when none has fewer; the
 resident CTAs of an SM share it equally, and one CTA alone gets at most `cap` of it (four
 warps cannot fill an SM's issue slots). A CTA's work is counted in key tiles. Launches of
 one loop run one after another. The time is reported against the balanced bound, all the
 work over all the SMs at full rate.
 
-Cases, the DCMHA sweeps (dcmha_attention_mma_kernel.cuh) at the target shape, B = 8, one
-group of H = 32 heads, T = 4096 causal, 64-row query tiles, 32-key tiles:
+Cases, the DCMHA launches (dcmha_attention_mma_kernel.cuh, dcmha_attention_mma_bwd_kernel.cuh)
+at the target shape, B = 8, one group of H = 32 heads, T = 4096 causal, 64-row query tiles,
+32-key tiles:
 - the statistics sweep (3 CTAs per sm_90 SM):
   unsplit        one launch, a CTA per (query tile, b): tile i holds 2 (i + 1) key tiles
   256-row chunks a launch per 256-row query chunk, a CTA per (256-key split, tile, b)
   one launch     a CTA per (256-key split, tile, b) over all rows (what the launcher does
                  where split_stats fits the scratch cap)
 - the partials sweep (2 CTAs per sm_90 SM), a launch per query chunk because its scratch
-  (B G 8 chunk T fp32) bounds the chunk: 256 rows under today's 256 MiB cap, larger chunks
-  (a larger cap), or 256-row chunks of query tiles paired from both ends of the band
-  (tiles 2c, 2c + 1, 62 - 2c, 63 - 2c), whose launches then hold equal work.
+  (B G 8 chunk T fp32) bounds the chunk (256 rows under the 256 MiB cap), with CTAs of
+  256-key splits (before) or of one 32-key tile (now), and larger chunks (a larger cap);
+- the backward's seven launches per 128-row query chunk (its scratch has 16 fields), each
+  at its CTAs per SM from the emulator's profile JSON, weighted by the profile's estimate
+  of the kernel (which spreads its work evenly): the sweeps (partials, dP', dL') with CTAs
+  of 256-key splits (before) or of one key tile (now), the row kernels (rowsum, dq) a CTA
+  per (query tile, head, b) over the band, the key kernels (dv, dk) a CTA per (64-key
+  tile, head, b) over the chunk's 32-row query steps in its band.
 """
 
 from __future__ import annotations
@@ -36,10 +43,20 @@ def makespan(works: list[float], slots: int, cap: float, sms: int = SMS) -> floa
     """Finish time of CTAs of the given work (in order) under processor sharing."""
     resident: list[list[float]] = [[] for _ in range(sms)]
     nxt = 0
-    for sm in resident:
-        while len(sm) < slots and nxt < len(works):
-            sm.append(works[nxt])
-            nxt += 1
+
+    def dispatch() -> None:
+        # Breadth first, as the hardware's block scheduler spreads a launch: every SM with
+        # the fewest resident CTAs gets the next one before any SM gets a second.
+        nonlocal nxt
+        for level in range(slots):
+            for sm in resident:
+                if nxt == len(works):
+                    return
+                if len(sm) <= level:
+                    sm.append(works[nxt])
+                    nxt += 1
+
+    dispatch()
     t = 0.0
     while any(resident):
         dt = min(min(sm) / min(cap, 1.0 / len(sm)) for sm in resident if sm)
@@ -49,9 +66,7 @@ def makespan(works: list[float], slots: int, cap: float, sms: int = SMS) -> floa
                 continue
             rate = min(cap, 1.0 / len(sm))
             sm[:] = [w - dt * rate for w in sm if w - dt * rate > 1e-9]
-            while len(sm) < slots and nxt < len(works):
-                sm.append(works[nxt])
-                nxt += 1
+        dispatch()
     return t
 
 
@@ -79,37 +94,102 @@ def stats_cases(batch: int = 8, seq: int = 4096, chunk: int = 256) -> dict[str, 
 
 
 def partials_cases(batch: int = 8, seq: int = 4096) -> dict[str, list[list[int]]]:
-    """The launches of the partials sweep per query chunk: contiguous chunks of 256, 512 and
-    1024 rows, and 256-row chunks of tiles paired from both ends of the band."""
-    cases = {f"{rows} rows": [split_ctas(range(c0, c0 + rows), batch) for c0 in range(0, seq, rows)]
-             for rows in (256, 512, 1024)}
-    tiles = seq // 64
+    """The launches of the partials sweep per query chunk: 256-row chunks with CTAs of
+    256-key splits (before) or of one 32-key tile (now), and 1024-row chunks of each."""
+    return {f"{rows} rows, {keys} keys": [split_ctas(range(c0, c0 + rows), batch, split_keys=keys)
+                                         for c0 in range(0, seq, rows)]
+            for rows in (256, 1024) for keys in (256, 32)}
 
-    def paired(c: int) -> list[int]:
-        picks = (2 * c, 2 * c + 1, tiles - 2 - 2 * c, tiles - 1 - 2 * c)
-        return [w for _ in range(batch) for i in picks for w in split_ctas(range(64 * i, 64 * i + 64), 1)]
 
-    cases["256 paired"] = [paired(c) for c in range(tiles // 4)]
+def row_ctas(rows: range, batch: int, heads: int, tile_rows: int = 64, key_tile: int = 32) -> list[int]:
+    """Key tiles of each (query tile, head, b) CTA of a causal row kernel over `rows`."""
+    return [(q0 + tile_rows) // key_tile for _ in range(batch) for _ in range(heads)
+            for q0 in range(rows.start, rows.stop, tile_rows)]
+
+
+def key_ctas(rows: range, batch: int, heads: int, seq: int, key_rows: int = 64, step: int = 32) -> list[int]:
+    """Query steps of each non-empty (64-key tile, head, b) CTA of a causal key kernel over
+    the query rows `rows`: the steps of `step` rows from the tile's first key on."""
+    works = []
+    for _ in range(batch):
+        for _ in range(heads):
+            for s0 in range(0, seq, key_rows):
+                n = rows.stop - max(rows.start, s0)
+                if n > 0:
+                    works.append(-(-n // step))
+    return works
+
+
+BACKWARD_KERNELS = ("dcmha_attn_partials", "dcmha_attn_bwd_dpost", "dcmha_attn_bwd_rowsum", "dcmha_attn_bwd_dpre",
+                    "dcmha_attn_bwd_dq", "dcmha_attn_bwd_dv", "dcmha_attn_bwd_dk")
+
+
+def backward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int = 128) -> dict[str, dict[str, list]]:
+    """Per backward kernel, its launches (one per query chunk) with sweep CTAs of 256-key
+    splits (before) and of one key tile (now); the other kernels are the same in both."""
+    chunks = [range(c0, min(c0 + chunk, seq)) for c0 in range(0, seq, chunk)]
+    rows = [row_ctas(c, batch, heads) for c in chunks]
+    keys = [key_ctas(c, batch, heads, seq) for c in chunks]
+    cases = {}
+    for name, split in (("before", 256), ("now", 32)):
+        sweep = [split_ctas(c, batch, split_keys=split) for c in chunks]
+        cases[name] = {k: sweep if k.endswith(("partials", "dpost", "dpre")) else rows if k.endswith(("rowsum", "dq"))
+                       else keys for k in BACKWARD_KERNELS}
     return cases
 
 
+def span_ratio(launches: list[list[int]], slots: int, cap: float) -> float:
+    """Makespan of the launches, one after another, over their balanced time."""
+    return sum(makespan(w, slots, cap) for w in launches) / (sum(sum(w) for w in launches) / SMS)
+
+
+def backward_table(estimates: str) -> list[str]:
+    """The backward's kernels at their CTAs per SM (cap 1 / slots and 1), weighted by the
+    profile's estimates of them."""
+    import json
+
+    targets = [t for t in json.load(open(estimates))["targets"]
+               if t["op_key"] == "dcmha" and t["phase"] == "bwd" and t["kernel"] in BACKWARD_KERNELS]
+    est = {t["kernel"]: (t["est_us"] / 1e3, int(t["ctas_per_sm"])) for t in targets}
+    cases = backward_cases()
+    lines = [f"{'kernel':<24}{'CTAs/SM':>8}{'est ms':>8}" + "".join(f"{f'{n}, cap {c}':>20}" for n in cases
+                                                                   for c in ("1/slots", "1"))]
+    totals = [0.0] * 4
+    for k in BACKWARD_KERNELS:
+        ms, slots = est[k]
+        spans = [span_ratio(cases[n][k], slots, cap) for n in cases for cap in (1 / slots, 1.0)]
+        totals = [a + ms * x for a, x in zip(totals, spans)]
+        lines.append(f"{k:<24}{slots:>8}{ms:>8.2f}" + "".join(f"{x:>19.2f}x" for x in spans))
+    lines.append(f"{'weighted (ms)':<24}{'':>8}{sum(m for m, _ in est.values()):>8.2f}"
+                 + "".join(f"{x:>20.1f}" for x in totals))
+    return lines
+
+
 def table(title: str, cases: dict[str, list[list[int]]], configs) -> list[str]:
-    balanced = sum(sum(w) for w in next(iter(cases.values()))) / SMS
-    lines = [title, f"{'CTAs per SM, cap of one CTA':<30}" + "".join(f"{name:>16}" for name in cases)]
+    width = max(16, *(len(name) + 2 for name in cases))
+    lines = [title, f"{'CTAs per SM, cap of one CTA':<30}" + "".join(f"{name:>{width}}" for name in cases)]
     for slots, cap in configs:
-        spans = [sum(makespan(w, slots, cap) for w in launches) / balanced for launches in cases.values()]
-        lines.append(f"{f'{slots}, {cap:.2f}':<30}" + "".join(f"{x:>15.2f}x" for x in spans))
+        spans = [span_ratio(launches, slots, cap) for launches in cases.values()]
+        lines.append(f"{f'{slots}, {cap:.2f}':<30}" + "".join(f"{x:>{width - 1}.2f}x" for x in spans))
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m headwise.bench.launch_balance", description=__doc__.split("\n")[2])
-    ap.parse_args(argv)
+    from headwise.bench.calibrate import DEFAULT_ESTIMATES
+
+    ap = argparse.ArgumentParser(prog="python -m headwise.bench.launch_balance",
+                                 description="How evenly the DCMHA launches fill an H200 (an ESTIMATE).")
+    ap.add_argument("--estimates", default=str(DEFAULT_ESTIMATES),
+                    help="the --sim-profile JSON whose backward kernels' estimates and CTAs per SM weight the table")
+    args = ap.parse_args(argv)
     head = "B=8 H=32 T=4096 causal: makespan / balanced (ESTIMATE, processor sharing)"
     configs = ((3, 1 / 3), (3, 0.5), (3, 1.0), (2, 0.5), (1, 1.0))
     print("\n".join(table(f"DCMHA statistics sweep, {head}", stats_cases(), configs)))
     print()
     print("\n".join(table(f"DCMHA partials sweep per query chunk, {head}", partials_cases(), configs)))
+    print()
+    print(f"DCMHA backward per 128-row query chunk, {head}; weighted by {args.estimates}")
+    print("\n".join(backward_table(args.estimates)))
     return 0
 
 
