@@ -54,6 +54,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace headwise {
 namespace mhar {
@@ -379,7 +380,8 @@ class HeadSums {
 // Forward. Blocks loop over positions (grid <= positions); per position one pass over
 // the N rows in stages of ROWS rows (PREFETCH: the next stage's loads issued before the
 // current stage's reductions), folding each stage into a [ITEMS, VEC] fp32 accumulator
-// with the running-max softmax (one rescale per stage). The head's first thread keeps
+// with the running-max softmax (a rescale only in a stage that raises the head's max; an
+// odd N's last stage issues one row, not a zero row). The head's first thread keeps
 // the raw logits in smem; at the end each weight is written once, as
 // w[n,h] = exp(l[n,h] - max_h) / den_h, by threads over (n, h) (coalesced).
 // Instructions per source element (the kernel issues, not HBM, set its pace at d = 4096:
@@ -438,76 +440,104 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
       hw::Pack<T, VEC> nxt[ROWS][ITEMS];
       if (PREFETCH) load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, items, nxt);
 
-      // The vectorized layout unpacks the stage once; the scalar layout's 16 items per
-      // row convert on use (16 more live fp32 registers would spill).
-      float x[kSlices ? 1 : ROWS][kSlices ? 1 : ITEMS][VEC] = {};
-      auto xv = [&](int j, int i, int k) -> float {
-        if constexpr (kSlices) return static_cast<float>(cur[j][i].v[k]);
-        else return x[j][i][k];
-      };
-      float r[ROWS];
-      HW_UNROLL
-      for (int j = 0; j < ROWS; ++j) {
-        float ss = 0.f;
-        HW_UNROLL
-        for (int i = 0; i < ITEMS; ++i) {
-          if constexpr (!kSlices) hw::unpack_to_float<T, VEC>(cur[j][i], x[j][i]);
-          HW_UNROLL
-          for (int k = 0; k < VEC; ++k) ss += xv(j, i, k) * xv(j, i, k);
-        }
-        r[j] = ss;
-      }
-      block_sums(r);
-      HW_UNROLL
-      for (int j = 0; j < ROWS; ++j) r[j] = rsqrtf(r[j] * inv_d + p.route.eps);
-
-      float logit[ROWS][ITEMS];
-      HW_UNROLL
-      for (int j = 0; j < ROWS; ++j) {
-        HW_UNROLL
-        for (int i = 0; i < ITEMS; ++i) {
-          float u[VEC];
-          HW_UNROLL
-          for (int k = 0; k < VEC; ++k) u[k] = xv(j, i, k) * r[j];
-          hw::round_vec_to<T, VEC>(u);
-          float l = 0.f;
-          HW_UNROLL
-          for (int k = 0; k < VEC; ++k) l += u[k] * qg.get(i, k);
-          logit[j][i] = l;
-        }
-      }
-      head_sums(logit, items);
-
-      const int rows = num_src - n0 < ROWS ? num_src - n0 : ROWS;
-      HW_UNROLL
-      for (int i = 0; i < ITEMS; ++i) {
-        if (!items.valid(i)) continue;
-        float new_max = run_max.get(i, 0);
-        HW_UNROLL
-        for (int j = 0; j < ROWS; ++j)
-          if (j < rows) new_max = fmaxf(new_max, logit[j][i]);
-        const float alpha = expf(run_max.get(i, 0) - new_max);  // exp(-inf) = 0 on the first stage
-        float prob[ROWS];
-        float den = run_den[i] * alpha;
+      // The stage with its first R rows present (R = ROWS, or the 1 row left of an odd N
+      // when ROWS = 2): the absent row's unpack, sums and fold are not issued at all, and
+      // its sums enter the block and head reductions as zeros.
+      auto fold_stage = [&](auto rows_present) {
+        constexpr int R = decltype(rows_present)::value;
+        // The vectorized layout unpacks the stage once; the scalar layout's 16 items per
+        // row convert on use (16 more live fp32 registers would spill).
+        float x[kSlices ? 1 : ROWS][kSlices ? 1 : ITEMS][VEC] = {};
+        (void)x;  // unread in the scalar layout
+        auto xv = [&](int j, int i, int k) -> float {
+          if constexpr (kSlices) return static_cast<float>(cur[j][i].v[k]);
+          else return x[j][i][k];
+        };
+        float r[ROWS];
         HW_UNROLL
         for (int j = 0; j < ROWS; ++j) {
-          prob[j] = j < rows ? expf(logit[j][i] - new_max) : 0.f;
-          den += prob[j];
+          float ss = 0.f;
+          if (j < R) {
+            HW_UNROLL
+            for (int i = 0; i < ITEMS; ++i) {
+              if constexpr (!kSlices) hw::unpack_to_float<T, VEC>(cur[j][i], x[j][i]);
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) ss += xv(j, i, k) * xv(j, i, k);
+            }
+          }
+          r[j] = ss;
         }
+        block_sums(r);
         HW_UNROLL
-        for (int k = 0; k < VEC; ++k) {
-          float a = acc.get(i, k) * alpha;
+        for (int j = 0; j < R; ++j) r[j] = rsqrtf(r[j] * inv_d + p.route.eps);
+
+        float logit[ROWS][ITEMS];
+        HW_UNROLL
+        for (int j = 0; j < ROWS; ++j) {
           HW_UNROLL
-          for (int j = 0; j < ROWS; ++j) a += prob[j] * xv(j, i, k);
-          acc.set(i, k, a);
+          for (int i = 0; i < ITEMS; ++i) {
+            float l = 0.f;
+            if (j < R) {
+              float u[VEC];
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) u[k] = xv(j, i, k) * r[j];
+              hw::round_vec_to<T, VEC>(u);
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) l += u[k] * qg.get(i, k);
+            }
+            logit[j][i] = l;
+          }
         }
-        run_max.set(i, 0, new_max);
-        run_den[i] = den;
-        if (items.first(i)) {
+        head_sums(logit, items);
+
+        HW_UNROLL
+        for (int i = 0; i < ITEMS; ++i) {
+          if (!items.valid(i)) continue;
+          const float old_max = run_max.get(i, 0);
+          float new_max = old_max;
           HW_UNROLL
-          for (int j = 0; j < ROWS; ++j)
-            if (j < rows) s_logit[(n0 + j) * heads + items.head(i)] = logit[j][i];
+          for (int j = 0; j < R; ++j) new_max = fmaxf(new_max, logit[j][i]);
+          // Rescale only when the head's max rose (uniform over the head's threads) and
+          // not on the first stage: with an equal max the factor is exp(0) = 1, and the
+          // first stage's accumulator and denominator are 0, so skipping the products
+          // leaves the same bits.
+          float den = run_den[i];
+          if (new_max > old_max) {
+            if (old_max != -INFINITY) {
+              const float alpha = expf(old_max - new_max);
+              den *= alpha;
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) acc.set(i, k, acc.get(i, k) * alpha);
+            }
+            run_max.set(i, 0, new_max);
+          }
+          float prob[R];
+          HW_UNROLL
+          for (int j = 0; j < R; ++j) {
+            prob[j] = expf(logit[j][i] - new_max);
+            den += prob[j];
+          }
+          HW_UNROLL
+          for (int k = 0; k < VEC; ++k) {
+            float a = acc.get(i, k);
+            HW_UNROLL
+            for (int j = 0; j < R; ++j) a += prob[j] * xv(j, i, k);
+            acc.set(i, k, a);
+          }
+          run_den[i] = den;
+          if (items.first(i)) {
+            HW_UNROLL
+            for (int j = 0; j < R; ++j) s_logit[(n0 + j) * heads + items.head(i)] = logit[j][i];
+          }
         }
+      };
+      static_assert(ROWS <= 2, "a stage's tail is one row");
+      if constexpr (ROWS == 1) {
+        fold_stage(std::integral_constant<int, 1>{});
+      } else if (n0 + ROWS <= num_src) {
+        fold_stage(std::integral_constant<int, ROWS>{});
+      } else {
+        fold_stage(std::integral_constant<int, 1>{});
       }
 
       advance_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0, num_src, items, cur, nxt);
