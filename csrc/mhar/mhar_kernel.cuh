@@ -37,10 +37,13 @@
 //     shared memory; each weight is written once at the end, coalesced.
 //   - Backward, per position: pass 1 reads each row once (staged into shared memory when
 //     N rows fit, each thread keeping its own vectors, so no barrier guards them) and
-//     head-reduces a, b and the sums of squares; the per-(n, h) scalars S_h, dl, c_n
-//     are formed by H + N threads from shared memory; pass 2 rereads the rows from shared
-//     memory and emits the gradients with no reduction. The weights are loaded once per
-//     position, coalesced, into shared memory.
+//     head-reduces a, b and the sums of squares (heads of whole warps, the vector layout:
+//     the warp sums of every row are kept and added per (n, h) after the pass, so one
+//     barrier a position, not one a stage); the per-(n, h) scalars S_h, dl, c_n are
+//     formed by H + N threads from shared memory; pass 2 rereads the rows from shared
+//     memory and emits the gradients with no reduction, with the rows' source and the
+//     accumulation into grad_sources as compile-time variants. The weights are loaded
+//     once per position, coalesced, into shared memory.
 //   - Query / norm-weight / gate gradients: per-segment partials (kBwdSegment consecutive
 //     positions, summed in position order by one CTA) and a second kernel that sums the
 //     segments' partials column-parallel in a fixed tree: bitwise deterministic and
@@ -140,14 +143,28 @@ __host__ __device__ inline int64_t fwd_smem_floats(HeadReduce mode, int64_t nvec
   return 64 * rows + head_sums_floats(mode, nvec, rows) + 2 * fwd_pos_floats(n, heads) + param_floats;
 }
 
-// Backward dynamic smem (floats): BlockSum scratch (64), HeadSums scratch (3 values per
-// row of a stage), per position (two, by parity) w, a, b, sum of squares and dl [N, H],
-// r_n and r_n^3 c_n / d [N], the parameter slices; then, with stage_rows, the staged
-// rows (bytes, 16-aligned).
+// Whether the backward's pass 1 defers its head sums: with kWarps and the vector layout
+// it keeps every warp sum of a position's rows and adds them per (n, h) once all rows are
+// read (no barrier per stage); otherwise HeadSums reduces each stage.
+__host__ __device__ constexpr bool bwd_defers_head_sums(HeadReduce mode, int vec) {
+  return mode == HeadReduce::kWarps && vec > 1;
+}
+
+// Floats of the backward's head-reduction scratch: deferred, the warp sums [3][N][nvec /
+// 32] (value a, b, ss; row; warp of the row); else HeadSums' (3 values per row of a stage).
+__host__ __device__ inline int64_t bwd_head_scratch_floats(HeadReduce mode, int vec, int64_t nvec, int rows,
+                                                           int64_t n) {
+  return bwd_defers_head_sums(mode, vec) ? 3 * n * (nvec / 32) : head_sums_floats(mode, nvec, 3 * rows);
+}
+
+// Backward dynamic smem (floats): BlockSum scratch (64), the head-reduction scratch, per
+// position (two, by parity) w, a, b, sum of squares and dl [N, H], r_n and r_n^3 c_n / d
+// [N], the parameter slices; then, with stage_rows, the staged rows (bytes, 16-aligned).
 __host__ __device__ inline int64_t bwd_pos_floats(int64_t n, int64_t heads) { return 5 * n * heads + 2 * n; }
-__host__ __device__ inline int64_t bwd_smem_floats(HeadReduce mode, int64_t nvec, int rows, int64_t n,
+__host__ __device__ inline int64_t bwd_smem_floats(HeadReduce mode, int vec, int64_t nvec, int rows, int64_t n,
                                                    int64_t heads, int64_t param_floats) {
-  const int64_t f = 64 + head_sums_floats(mode, nvec, 3 * rows) + 2 * bwd_pos_floats(n, heads) + param_floats;
+  const int64_t f =
+      64 + bwd_head_scratch_floats(mode, vec, nvec, rows, n) + 2 * bwd_pos_floats(n, heads) + param_floats;
   return (f + 3) / 4 * 4;
 }
 
@@ -600,17 +617,21 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
   float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
   hw::BlockSum block_sum(smem);
   // The head reductions of a stage: a, b and ss of its ROWS rows in one call, or (scalar
-  // layout, to keep the registers) one call per value.
+  // layout, to keep the registers) one call per value; or, deferred, the warp sums of
+  // every row in s_warp_sums [3][N][nw], added per (n, h) after pass 1.
   constexpr bool kSlices = VEC == 1;
   constexpr int kPasses = kSlices ? 3 : 1;
   constexpr int kVals = 3 / kPasses;
+  constexpr bool kDeferred = bwd_defers_head_sums(MODE, VEC);
   HeadSums<ITEMS, kVals * ROWS, MODE> head_sums(smem + 64, nvec, kv, heads);
-  float* pos_smem = smem + 64 + head_sums_floats(MODE, nvec, 3 * ROWS);
+  float* s_warp_sums = smem + 64;
+  const int nw = nvec >> 5;
+  float* pos_smem = smem + 64 + bwd_head_scratch_floats(MODE, VEC, nvec, ROWS, num_src);
   const int pos_floats = static_cast<int>(bwd_pos_floats(num_src, heads));
   float* slices = pos_smem + 2 * pos_floats;
   // Staged rows: [n][i][tid] packs, each thread reading back only what it wrote.
   hw::Pack<T, VEC>* s_rows = reinterpret_cast<hw::Pack<T, VEC>*>(smem + bwd_smem_floats(
-      MODE, nvec, ROWS, num_src, heads, param_slice_floats(kSlices, ITEMS, nthreads, VEC)));
+      MODE, VEC, nvec, ROWS, num_src, heads, param_slice_floats(kSlices, ITEMS, nthreads, VEC)));
 
   ThreadVectors<ITEMS, VEC, kSlices> qg = load_qg<ITEMS, VEC, kSlices>(p.route, nvec, nthreads, slices);
   // dout of the position (gate not applied): packs in registers, or fp32 in the second
@@ -690,11 +711,14 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
           }
         }
         // Value c of a row: 0 a = <dout, s_n>, 1 b = <qg, s_n>, 2 ss = <s_n, s_n> (per head).
+        // Deferred: each warp's sums of the row go to s_warp_sums; else into sums for
+        // head_sums.
         HW_UNROLL
         for (int pass = 0; pass < kPasses; ++pass) {
           float sums[kVals * ROWS][ITEMS];
           HW_UNROLL
           for (int j = 0; j < ROWS; ++j) {
+            if (kDeferred && j >= rows) break;  // an odd N's last stage: no work for the absent row
             HW_UNROLL
             for (int i = 0; i < ITEMS; ++i) {
               float part[3] = {0.f, 0.f, 0.f};
@@ -708,22 +732,33 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
                 part[1] += qg.get(i, k) * x;
                 part[2] += x * x;
               }
-              HW_UNROLL
-              for (int c = 0; c < kVals; ++c) sums[kVals * j + c][i] = part[pass * kVals + c];
+              if constexpr (kDeferred) {
+                HW_UNROLL
+                for (int c = 0; c < 3; ++c) {
+                  const float s = hw::warp_sum(part[c]);
+                  if ((tid & 31) == 0 && items.valid(i))
+                    s_warp_sums[(c * num_src + n0 + j) * nw + (items.offset(i) >> 5)] = s;
+                }
+              } else {
+                HW_UNROLL
+                for (int c = 0; c < kVals; ++c) sums[kVals * j + c][i] = part[pass * kVals + c];
+              }
             }
           }
-          head_sums(sums, items);
-          HW_UNROLL
-          for (int i = 0; i < ITEMS; ++i) {
-            if (!items.first(i)) continue;
+          if constexpr (!kDeferred) {
+            head_sums(sums, items);
             HW_UNROLL
-            for (int j = 0; j < ROWS; ++j) {
-              if (j >= rows) continue;
-              const int e = (n0 + j) * heads + items.head(i);
+            for (int i = 0; i < ITEMS; ++i) {
+              if (!items.first(i)) continue;
               HW_UNROLL
-              for (int c = 0; c < kVals; ++c) {
-                const int value = pass * kVals + c;
-                (value == 0 ? s_a : value == 1 ? s_b : s_ss)[e] = sums[kVals * j + c][i];
+              for (int j = 0; j < ROWS; ++j) {
+                if (j >= rows) continue;
+                const int e = (n0 + j) * heads + items.head(i);
+                HW_UNROLL
+                for (int c = 0; c < kVals; ++c) {
+                  const int value = pass * kVals + c;
+                  (value == 0 ? s_a : value == 1 ? s_b : s_ss)[e] = sums[kVals * j + c][i];
+                }
               }
             }
           }
@@ -731,6 +766,18 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
         advance_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0, num_src, items, cur, nxt);
       }
       __syncthreads();
+      if constexpr (kDeferred) {
+        // a, b, ss of (n, h): the head's kv / 32 warp sums in ascending order (HeadSums'
+        // order and bits). Entry e = (c N + n) H + h of [3][N][H] owns warp sums
+        // [e chunks, (e + 1) chunks), and s_a, s_b, s_ss are consecutive [N, H] arrays.
+        const int chunks = kv >> 5;
+        for (int e = tid; e < 3 * nh; e += nthreads) {
+          float s = 0.f;
+          for (int j = 0; j < chunks; ++j) s += s_warp_sums[e * chunks + j];
+          s_a[e] = s;
+        }
+        __syncthreads();
+      }
 
       // The per-(n, h) scalars, in ascending n and h: S_h and dl[., h] by thread h,
       // r_n by thread n.
@@ -758,46 +805,78 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
       __syncthreads();
 
       // Pass 2: emit ds_n, accumulate z; no reductions.
-      for (int n = 0; n < num_src; ++n) {
-        const float r = s_r[n];
-        const float r3c = s_r3c[n];
-        G* ds = static_cast<G*>(p.grad_sources) + (n * positions + pos) * p.route.d;
-        // Unrolled by 4: all of ITEMS in the vectorized layout (its dout packs are indexed
-        // by i), a quarter of the scalar layout's 16, whose item state is in smem slices.
-        HW_UNROLL_4
-        for (int i = 0; i < ITEMS; ++i) {
-          const int v = tid + i * nthreads;
-          if (v >= nvec) continue;
-          hw::Pack<T, VEC> xp;
-          if (p.stage_rows) {
-            xp = hw::load_pack<T, VEC>(reinterpret_cast<const T*>(s_rows + (n * ITEMS + i) * nthreads + tid));
-          } else {
-            hw::check_pack_alignment<T, VEC>(src + n * p.route.src_stride_n + v * VEC);
-            xp = hw::load_pack<T, VEC>(src + n * p.route.src_stride_n + v * VEC);
-          }
-          const int e = n * heads + items.head(i);
-          const float wg = gate * s_w[e];
-          const float dl = s_dl[e];
-          float prev[VEC];
-          if (p.accumulate) {
-            hw::load_as_float<VEC>(ds + v * VEC, prev);
-          } else {
+      //   ds = gate w dout + (r dl) qg - r3c x   (the CPU kernel's association)
+      // `staged` (the rows come from shared memory, else from the sources again) and
+      // `accumulate` (ds adds to what grad_sources holds) are std::bool_constant in the
+      // vector layout: as runtime flags they cost every element a predicated select of its
+      // unpacked halves and an add. The scalar layout keeps one body with runtime flags
+      // (four would spill its thread-slice base at the 128-register cap).
+      auto emit_grads = [&](auto staged, auto accumulate) {
+        // The items' heads, once per position (the vector layout: ITEMS registers; the
+        // scalar layout's 16 items recompute them).
+        int head_of[kSlices ? 1 : ITEMS];
+        HW_UNROLL
+        for (int i = 0; i < (kSlices ? 1 : ITEMS); ++i) head_of[i] = items.head(i);
+        for (int n = 0; n < num_src; ++n) {
+          const float r = s_r[n];
+          const float r3c = s_r3c[n];
+          G* ds = static_cast<G*>(p.grad_sources) + (n * positions + pos) * p.route.d;
+          // Unrolled by 4: all of ITEMS in the vectorized layout (its dout packs are
+          // indexed by i), a quarter of the scalar layout's 16, whose item state is in
+          // smem slices.
+          HW_UNROLL_4
+          for (int i = 0; i < ITEMS; ++i) {
+            const int v = tid + i * nthreads;
+            if (v >= nvec) continue;
+            hw::Pack<T, VEC> xp;
+            if (staged) {
+              xp = hw::load_pack<T, VEC>(reinterpret_cast<const T*>(s_rows + (n * ITEMS + i) * nthreads + tid));
+            } else {
+              hw::check_pack_alignment<T, VEC>(src + n * p.route.src_stride_n + v * VEC);
+              xp = hw::load_pack<T, VEC>(src + n * p.route.src_stride_n + v * VEC);
+            }
+            const int e = n * heads + (kSlices ? items.head(i) : head_of[kSlices ? 0 : i]);
+            const float wg = gate * s_w[e];
+            const float rdl = r * s_dl[e];
+            const float dl = s_dl[e];
+            // What ds holds, loaded first: the scalar layout spills (sm_90) when the load
+            // sits beside its use.
+            float prev[VEC];
+#if HW_SIM
+            // Unused without `accumulate`. Zeros for g++'s flow analysis, which does not pair
+            // the two tests of a runtime flag; in the GPU build this fill moved sm_90's
+            // register allocation of the scalar layout to a spill.
             HW_UNROLL
             for (int k = 0; k < VEC; ++k) prev[k] = 0.f;
+#endif
+            if (accumulate) hw::load_as_float<VEC>(ds + v * VEC, prev);
+            float x[VEC], dv[VEC], u[VEC], y[VEC];
+            hw::unpack_to_float<T, VEC>(xp, x);
+            dout_of(i, dv);
+            HW_UNROLL
+            for (int k = 0; k < VEC; ++k) u[k] = x[k] * r;
+            hw::round_vec_to<T, VEC>(u);
+            HW_UNROLL
+            for (int k = 0; k < VEC; ++k) {
+              y[k] = wg * dv[k] + rdl * qg.get(i, k) - r3c * x[k];
+              z.set(i, k, z.get(i, k) + dl * u[k]);
+            }
+            if (accumulate) {
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) y[k] = prev[k] + y[k];
+            }
+            hw::store_from_float<VEC>(ds + v * VEC, y);
           }
-          float x[VEC], dv[VEC], u[VEC], y[VEC];
-          hw::unpack_to_float<T, VEC>(xp, x);
-          dout_of(i, dv);
-          HW_UNROLL
-          for (int k = 0; k < VEC; ++k) u[k] = x[k] * r;
-          hw::round_vec_to<T, VEC>(u);
-          HW_UNROLL
-          for (int k = 0; k < VEC; ++k) {
-            y[k] = prev[k] + (wg * dv[k] + r * (dl * qg.get(i, k)) - r3c * x[k]);
-            z.set(i, k, z.get(i, k) + dl * u[k]);
-          }
-          hw::store_from_float<VEC>(ds + v * VEC, y);
         }
+      };
+      if constexpr (kSlices) {
+        emit_grads(p.stage_rows, p.accumulate);
+      } else if (p.stage_rows) {
+        if (p.accumulate) emit_grads(std::true_type{}, std::true_type{});
+        else emit_grads(std::true_type{}, std::false_type{});
+      } else {
+        if (p.accumulate) emit_grads(std::false_type{}, std::true_type{});
+        else emit_grads(std::false_type{}, std::false_type{});
       }
     }
     HW_UNROLL

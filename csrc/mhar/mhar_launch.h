@@ -231,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
         using C = decltype(cfg);
         auto kernel = &mhar_route_bwd_kernel<T, G, C::vec, C::items, C::rows, C::prefetch, C::mode>;
         const size_t base_bytes =
-            static_cast<size_t>(bwd_smem_floats(plan.mode, plan.nvec, C::rows, s.num_sources, s.heads,
+            static_cast<size_t>(bwd_smem_floats(plan.mode, C::vec, plan.nvec, C::rows, s.num_sources, s.heads,
                                                 param_slice_floats(C::vec == 1, C::items, plan.threads, C::vec))) *
             sizeof(float);
         const size_t rows_bytes = static_cast<size_t>(s.num_sources) * C::items * plan.threads *
