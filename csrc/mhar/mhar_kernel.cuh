@@ -38,12 +38,13 @@
 //   - Backward, per position: pass 1 reads each row once (staged into shared memory when
 //     N rows fit, each thread keeping its own vectors, so no barrier guards them) and
 //     head-reduces a, b and the sums of squares (heads of whole warps, the vector layout:
-//     the warp sums of every row are kept and added per (n, h) after the pass, so one
-//     barrier a position, not one a stage); the per-(n, h) scalars S_h, dl, c_n are
-//     formed by H + N threads from shared memory; pass 2 rereads the rows from shared
-//     memory and emits the gradients with no reduction, with the rows' source and the
-//     accumulation into grad_sources as compile-time variants. The weights are loaded
-//     once per position, coalesced, into shared memory.
+//     a stage's values are warp-summed together by a reduce-scatter, and the warp sums of
+//     every row are kept and added per (n, h) after the pass, so one barrier a position,
+//     not one a stage); the per-(n, h) scalars S_h, dl, c_n are formed by H + N threads
+//     from shared memory; pass 2 rereads the rows from shared memory and emits the
+//     gradients with no reduction, with the rows' source and the accumulation into
+//     grad_sources as compile-time variants. The weights are loaded once per position,
+//     coalesced, into shared memory.
 //   - Query / norm-weight / gate gradients: per-segment partials (kBwdSegment consecutive
 //     positions, summed in position order by one CTA) and a second kernel that sums the
 //     segments' partials column-parallel in a fixed tree: bitwise deterministic and
@@ -297,10 +298,14 @@ class BlockSums {
     float* buf = scratch_ + (calls_++ & 1) * 32 * COUNT;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    // The COUNT warp sums, spread over the lanes; each leader stores the ones it holds.
+    float held[COUNT];
     HW_UNROLL
-    for (int c = 0; c < COUNT; ++c) {
-      const float s = hw::warp_sum(v[c]);
-      if (lane == 0) buf[c * 32 + warp] = s;
+    for (int c = 0; c < COUNT; ++c) held[c] = v[c];
+    hw::warp_sum_scatter(held);
+    if (hw::warp_scatter_leader<COUNT>(lane)) {
+      const int first = hw::warp_scatter_first<COUNT>(lane);
+      for (int k = 0; k < (COUNT >> hw::warp_scatter_levels(COUNT)); ++k) buf[(first + k) * 32 + warp] = held[k];
     }
     __syncthreads();
     const int nwarps = blockDim.x >> 5;
@@ -342,12 +347,23 @@ class HeadSums {
     } else if (MODE == HeadReduce::kWarps) {
       float* part = scratch_ + (calls_++ & 1) * half_;
       const int nw = nvec_ >> 5;
+      // The warp sums of the COUNT x ITEMS values, spread over the lanes (value (c, i) at
+      // c ITEMS + i); each leader stores the ones it holds.
+      constexpr int kValues = COUNT * ITEMS;
+      float held[kValues];
       HW_UNROLL
       for (int c = 0; c < COUNT; ++c) {
         HW_UNROLL
-        for (int i = 0; i < ITEMS; ++i) {
-          const float s = hw::warp_sum(val[c][i]);
-          if ((tid & 31) == 0 && items.valid(i)) part[c * nw + (items.offset(i) >> 5)] = s;
+        for (int i = 0; i < ITEMS; ++i) held[c * ITEMS + i] = val[c][i];
+      }
+      hw::warp_sum_scatter(held);
+      const int lane = tid & 31;
+      if (hw::warp_scatter_leader<kValues>(lane)) {
+        const int first = hw::warp_scatter_first<kValues>(lane);
+        for (int k = 0; k < (kValues >> hw::warp_scatter_levels(kValues)); ++k) {
+          const int c = (first + k) / ITEMS;
+          const int i = (first + k) % ITEMS;
+          if (items.valid(i)) part[c * nw + (items.offset(i) >> 5)] = held[k];
         }
       }
       __syncthreads();
@@ -626,6 +642,26 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
   HeadSums<ITEMS, kVals * ROWS, MODE> head_sums(smem + 64, nvec, kv, heads);
   float* s_warp_sums = smem + 64;
   const int nw = nvec >> 5;
+  // Deferred: a stage's a, b, ss of each (row, item) are warp-summed together by a
+  // reduce-scatter (hw::warp_sum_scatter), after which each leader lane holds the three
+  // of one (row, item). Its slot in s_warp_sums' [N][nw] planes (row of the stage * nw +
+  // the item's warp; -1 for the other lanes), fixed for the kernel: for a stage of ROWS
+  // rows and for an odd N's 1-row last stage.
+  constexpr int kStageVals = 3 * ROWS * ITEMS;
+  auto warp_sum_slot = [&](auto count) {
+    constexpr int kCount = decltype(count)::value;
+    static_assert((kCount >> hw::warp_scatter_levels(kCount)) == 3,
+                  "a leader lane holds the three sums of one (row, item)");
+    const int lane = tid & 31;
+    const int ji = hw::warp_scatter_first<kCount>(lane) / 3;
+    const int v = tid + (ji % ITEMS) * nthreads;
+    return hw::warp_scatter_leader<kCount>(lane) && v < nvec ? (ji / ITEMS) * nw + (v >> 5) : -1;
+  };
+  int stage_slot = -1, tail_slot = -1;
+  if constexpr (kDeferred) {
+    stage_slot = warp_sum_slot(std::integral_constant<int, kStageVals>{});
+    tail_slot = warp_sum_slot(std::integral_constant<int, 3 * ITEMS>{});
+  }
   float* pos_smem = smem + 64 + bwd_head_scratch_floats(MODE, VEC, nvec, ROWS, num_src);
   const int pos_floats = static_cast<int>(bwd_pos_floats(num_src, heads));
   float* slices = pos_smem + 2 * pos_floats;
@@ -711,41 +747,58 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
           }
         }
         // Value c of a row: 0 a = <dout, s_n>, 1 b = <qg, s_n>, 2 ss = <s_n, s_n> (per head).
-        // Deferred: each warp's sums of the row go to s_warp_sums; else into sums for
-        // head_sums.
+        // Deferred: the stage's values, (j, i, c) at warp_vals[(j ITEMS + i) 3 + c], are
+        // warp-summed together (a reduce-scatter) and the leader lanes store them to
+        // s_warp_sums; else they go into sums for head_sums.
         HW_UNROLL
         for (int pass = 0; pass < kPasses; ++pass) {
           float sums[kVals * ROWS][ITEMS];
+          float warp_vals[kDeferred ? kStageVals : 1];
           HW_UNROLL
           for (int j = 0; j < ROWS; ++j) {
-            if (kDeferred && j >= rows) break;  // an odd N's last stage: no work for the absent row
             HW_UNROLL
             for (int i = 0; i < ITEMS; ++i) {
               float part[3] = {0.f, 0.f, 0.f};
-              float xs[VEC], dv[VEC];
-              hw::unpack_to_float<T, VEC>(cur[j][i], xs);
-              dout_of(i, dv);
-              HW_UNROLL
-              for (int k = 0; k < VEC; ++k) {
-                const float x = xs[k];
-                part[0] += dv[k] * x;
-                part[1] += qg.get(i, k) * x;
-                part[2] += x * x;
+              // Deferred, an odd N's last stage: no work for the absent row.
+              if (!kDeferred || j < rows) {
+                float xs[VEC], dv[VEC];
+                hw::unpack_to_float<T, VEC>(cur[j][i], xs);
+                dout_of(i, dv);
+                HW_UNROLL
+                for (int k = 0; k < VEC; ++k) {
+                  const float x = xs[k];
+                  part[0] += dv[k] * x;
+                  part[1] += qg.get(i, k) * x;
+                  part[2] += x * x;
+                }
               }
               if constexpr (kDeferred) {
                 HW_UNROLL
-                for (int c = 0; c < 3; ++c) {
-                  const float s = hw::warp_sum(part[c]);
-                  if ((tid & 31) == 0 && items.valid(i))
-                    s_warp_sums[(c * num_src + n0 + j) * nw + (items.offset(i) >> 5)] = s;
-                }
+                for (int c = 0; c < 3; ++c) warp_vals[(j * ITEMS + i) * 3 + c] = part[c];
               } else {
                 HW_UNROLL
                 for (int c = 0; c < kVals; ++c) sums[kVals * j + c][i] = part[pass * kVals + c];
               }
             }
           }
-          if constexpr (!kDeferred) {
+          if constexpr (kDeferred) {
+            // The warp sums of vals (the stage's first rows), stored by the leader lanes.
+            auto store_warp_sums = [&](auto& vals, int slot) {
+              hw::warp_sum_scatter(vals);
+              if (slot >= 0) {
+                HW_UNROLL
+                for (int c = 0; c < 3; ++c) s_warp_sums[(c * num_src + n0) * nw + slot] = vals[c];
+              }
+            };
+            if (ROWS == 1 || rows == ROWS) {
+              store_warp_sums(warp_vals, stage_slot);
+            } else {  // an odd N's last stage: the present row's values only
+              float row_vals[3 * ITEMS];
+              HW_UNROLL
+              for (int c = 0; c < 3 * ITEMS; ++c) row_vals[c] = warp_vals[c];
+              store_warp_sums(row_vals, tail_slot);
+            }
+          } else {
             head_sums(sums, items);
             HW_UNROLL
             for (int i = 0; i < ITEMS; ++i) {
@@ -811,12 +864,11 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
       // vector layout: as runtime flags they cost every element a predicated select of its
       // unpacked halves and an add. The scalar layout keeps one body with runtime flags
       // (four would spill its thread-slice base at the 128-register cap).
+      // The items' heads, formed once per position in the vector layout (ITEMS
+      // registers); the scalar layout's 16 items recompute them.
+      using RowItems = ThreadItems<ITEMS, !kSlices>;
       auto emit_grads = [&](auto staged, auto accumulate) {
-        // The items' heads, once per position (the vector layout: ITEMS registers; the
-        // scalar layout's 16 items recompute them).
-        int head_of[kSlices ? 1 : ITEMS];
-        HW_UNROLL
-        for (int i = 0; i < (kSlices ? 1 : ITEMS); ++i) head_of[i] = items.head(i);
+        const RowItems row_items(nvec, kv);
         for (int n = 0; n < num_src; ++n) {
           const float r = s_r[n];
           const float r3c = s_r3c[n];
@@ -835,7 +887,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
               hw::check_pack_alignment<T, VEC>(src + n * p.route.src_stride_n + v * VEC);
               xp = hw::load_pack<T, VEC>(src + n * p.route.src_stride_n + v * VEC);
             }
-            const int e = n * heads + (kSlices ? items.head(i) : head_of[kSlices ? 0 : i]);
+            const int e = n * heads + row_items.head(i);
             const float wg = gate * s_w[e];
             const float rdl = r * s_dl[e];
             const float dl = s_dl[e];

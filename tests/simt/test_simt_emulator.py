@@ -277,6 +277,43 @@ def test_shuffle_random_cases():
         assert got == shfl_model(x.tolist(), kind, arg, width, mask), (n, kind, width, arg, hex(mask))
 
 
+def warp_sum_tree(x):
+    """hw::warp_sum's tree over the 32 rows of x [32, M] (fp32 adds at xor offsets 16, 8,
+    4, 2, 1): the sum every lane ends with."""
+    lanes = torch.arange(32)
+    for offset in (16, 8, 4, 2, 1):
+        x = x + x[lanes ^ offset]
+    return x[0]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 12, 16, 24, 96])
+def test_warp_sum_scatter_holds_warp_sum_bits(m):
+    """hw::warp_sum_scatter: after L = min(5, m's factors of 2) halving levels lane l holds
+    the sums [first(l), first(l) + m / 2^L) with warp_sum's bits (the same tree), where
+    first(l) adds m / 2^(k + 1) for each level k whose offset bit 16 >> k is set in l."""
+    gen = torch.Generator().manual_seed(m)
+    # Magnitudes over 8 decades, so a different summation order would show in the bits.
+    x = torch.randn(32, m, generator=gen) * 10.0 ** torch.randint(-4, 4, (32, m), generator=gen)
+    scattered, butterfly = ops.warp_sum_scatter(x)
+    assert torch.equal(butterfly, warp_sum_tree(x))
+    levels = min(5, (m & -m).bit_length() - 1)
+    held = m >> levels
+    covered = set()
+    for lane in range(32):
+        first = sum(m >> (k + 1) for k in range(levels) if lane & (16 >> k))
+        row = scattered[lane]
+        assert torch.equal(row[first:first + held], butterfly[first:first + held]), lane
+        rest = torch.cat([row[:first], row[first + held:]])
+        assert torch.isnan(rest).all(), lane
+        covered.update(range(first, first + held))
+    assert covered == set(range(m))
+
+
+def test_warp_sum_scatter_rejects_unsupported_counts():
+    with pytest.raises(RuntimeError, match="M must be"):
+        ops.warp_sum_scatter(torch.zeros(32, 5))
+
+
 @pytest.mark.parametrize("nthreads", [1, 32, 48, 96, 1024])
 @pytest.mark.parametrize("mask", [FULL, 0x0000FFFF, 0x55555555, 0x80000000])
 def test_votes_match_cuda_model(nthreads, mask):

@@ -11,6 +11,8 @@
 //   index_map(grid[3], block[3])                built-in index variables of every thread
 //   warp_shuffle(x [T] i32/i64, kind, arg, width, mask)
 //   warp_vote(pred [T] i32, mask)               __all_sync/__any_sync/__ballot_sync
+//   warp_sum_scatter(x [32, M] f32)             hw::warp_sum_scatter's held sums, and
+//                                               hw::warp_sum of each column
 //   dynamic_smem_roundtrip(blocks, threads, bytes)
 //   atomic_add_blocks(blocks, threads)          atomics across blocks on several OS threads
 //   spin_wait(threads)                          an intra-block spin-wait with __nanosleep
@@ -21,6 +23,7 @@
 //                                               csrc/common/{mma_primitives,cluster}.cuh (kernels
 //                                               in primitive_selftest.cuh, also built for CUDA)
 #include "simt.h"
+#include "../block_reduce.cuh"
 #include "primitive_selftest.cuh"
 
 #include <ATen/ATen.h>
@@ -33,6 +36,7 @@
 #include <stdexcept>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 
 namespace headwise {
 namespace simtest {
@@ -134,6 +138,23 @@ __global__ void warp_shuffle_kernel(const T* __restrict__ in, T* __restrict__ ou
     default: r = __shfl_xor_sync(mask, v, arg, width); break;
   }
   out[t] = r;
+}
+
+// One warp; x [32, M]. scattered[lane, first + k] = the k-th sum the lane holds after
+// hw::warp_sum_scatter<M> (NaN elsewhere); butterfly[m] = hw::warp_sum of column m.
+template <int M>
+__global__ void warp_sum_scatter_kernel(const float* __restrict__ x, float* __restrict__ scattered,
+                                        float* __restrict__ butterfly) {
+  const int lane = threadIdx.x;
+  float v[M];
+  for (int m = 0; m < M; ++m) v[m] = x[lane * M + m];
+  for (int m = 0; m < M; ++m) {
+    const float s = hw::warp_sum(v[m]);
+    if (lane == 0) butterfly[m] = s;
+  }
+  hw::warp_sum_scatter(v);
+  const int first = hw::warp_scatter_first<M>(lane);
+  for (int k = 0; k < (M >> hw::warp_scatter_levels(M)); ++k) scattered[lane * M + first + k] = v[k];
 }
 
 // One block; out[t] = (all, any, ballot), or -1s for lanes outside `mask`.
@@ -488,6 +509,37 @@ at::Tensor warp_shuffle(const at::Tensor& x, int64_t kind, int64_t arg, int64_t 
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> warp_sum_scatter(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 32 && x.scalar_type() == at::kFloat,
+              "warp_sum_scatter: x must be float32 [32, M]");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor scattered = at::full_like(xc, std::numeric_limits<float>::quiet_NaN());
+  at::Tensor butterfly = at::empty({x.size(1)}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* sp = scattered.data_ptr<float>();
+  float* bp = butterfly.data_ptr<float>();
+  auto run = [&](auto m) {
+    constexpr int M = decltype(m)::value;
+    checked([&] {
+      hw_sim::launch("warp_sum_scatter", 1, dim3(32), 0, [&] { warp_sum_scatter_kernel<M>(xp, sp, bp); });
+    });
+  };
+  switch (x.size(1)) {
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 6: run(std::integral_constant<int, 6>{}); break;
+    case 12: run(std::integral_constant<int, 12>{}); break;
+    case 16: run(std::integral_constant<int, 16>{}); break;
+    case 24: run(std::integral_constant<int, 24>{}); break;
+    case 96: run(std::integral_constant<int, 96>{}); break;
+    default: TORCH_CHECK(false, "warp_sum_scatter: M must be 1, 2, 3, 4, 6, 12, 16, 24 or 96, got ", x.size(1));
+  }
+  return {scattered, butterfly};
+}
+
 at::Tensor warp_vote(const at::Tensor& pred, int64_t mask) {
   check_cpu(pred, "pred");
   TORCH_CHECK(pred.dim() == 1 && pred.size(0) >= 1 && pred.size(0) <= 1024 && pred.scalar_type() == at::kInt,
@@ -642,6 +694,7 @@ TORCH_LIBRARY(headwise_simtest, m) {
   m.def("index_map(int[] grid, int[] block) -> Tensor");
   m.def("warp_shuffle(Tensor x, int kind, int arg, int width=32, int mask=4294967295) -> Tensor");
   m.def("warp_vote(Tensor pred, int mask=4294967295) -> Tensor");
+  m.def("warp_sum_scatter(Tensor x) -> (Tensor, Tensor)");
   m.def("dynamic_smem_roundtrip(int blocks, int threads, int bytes) -> Tensor");
   m.def("atomic_add_blocks(int blocks, int threads) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("spin_wait(int threads) -> Tensor");
@@ -661,6 +714,7 @@ TORCH_LIBRARY_IMPL(headwise_simtest, CPU, m) {
   m.impl("block_vote", &headwise::simtest::block_vote);
   m.impl("warp_shuffle", &headwise::simtest::warp_shuffle);
   m.impl("warp_vote", &headwise::simtest::warp_vote);
+  m.impl("warp_sum_scatter", &headwise::simtest::warp_sum_scatter);
   m.impl("wmma_gemm", &headwise::simtest::wmma_gemm);
   m.impl("mma_lanes", &headwise::primtest::mma_lanes_sim);
   m.impl("ldmatrix_lanes", &headwise::primtest::ldmatrix_lanes_sim);
