@@ -239,10 +239,8 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_sweep(const MmaAtt
   const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8;
 
   int lo, hi;
-  key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
-  const int s_lo = (mp.split0 + blockIdx.x) * kSweepSplitKeys;
-  lo = lo > s_lo ? lo : s_lo;
-  hi = hi < s_lo + kSweepSplitKeys ? hi : s_lo + kSweepSplitKeys;
+  split_key_band(q0, kTileRows, TT, p.causal, p.window, (mp.split0 + blockIdx.x) * kSweepSplitKeys,
+                 kSweepSplitKeys, lo, hi);
   if (hi <= lo) return;
   const int kt_lo = lo / kTileKeys, kt_hi = (hi + kTileKeys - 1) / kTileKeys;
 
@@ -504,9 +502,10 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
   }
 }
 
-// Launches 6 (Dk = false: dv, slot-3 grads) and 7 (Dk = true: dk, slot-1 grads): CTA per (64-key
-// tile of the chunk's key band, head m, b), looping the chunk's 32-row query tiles that read its keys. Rows of the
-// fragments are keys s, columns queries t. DTiles bounds dv_pad / 8 (dh_pad / 8 for dk).
+// Launches 6 (Dk = false: dv, slot-3 grads) and 7 (Dk = true: dk, slot-1 grads): CTA per
+// (64-key tile of the chunk's key band, head m, b), looping the chunk's 32-row query tiles
+// that read its keys. Rows of the fragments are keys s, columns queries t. DTiles bounds
+// dv_pad / 8 (dh_pad / 8 for dk).
 template <typename T, bool Dk, int DTiles>
 __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_keys(const MmaAttnBwdParams bp) {
   const MmaAttnParams& mp = bp.m;

@@ -166,6 +166,15 @@ __host__ __device__ inline void key_band(int q0, int rows, int T, int causal, in
   lo = window > 0 ? (q0 - window + 1 > 0 ? q0 - window + 1 : 0) : 0;
 }
 
+// The key band of query rows [q0, q0 + rows) within the key split [s_lo, s_lo + split_keys):
+// empty (hi <= lo) when the two do not meet.
+__device__ __forceinline__ void split_key_band(int q0, int rows, int T, int causal, int window, int s_lo,
+                                               int split_keys, int& lo, int& hi) {
+  key_band(q0, rows, T, causal, window, lo, hi);
+  lo = lo > s_lo ? lo : s_lo;
+  hi = hi < s_lo + split_keys ? hi : s_lo + split_keys;
+}
+
 template <typename T>
 __device__ __forceinline__ void mma_bf(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   if constexpr (std::is_same<T, c10::BFloat16>::value)
@@ -357,12 +366,9 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
 
   // The tile's key band within this CTA's split; a split outside the band has no work
   // (the combine reads only the splits of each row's band, so writes nothing either).
-  int lo, hi;
-  key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
   constexpr int kSplit = Partials ? kSweepSplitKeys : kStatsSplitKeys;
-  const int s_lo = (mp.split0 + blockIdx.x) * kSplit;
-  lo = lo > s_lo ? lo : s_lo;
-  hi = hi < s_lo + kSplit ? hi : s_lo + kSplit;
+  int lo, hi;
+  split_key_band(q0, kTileRows, TT, p.causal, p.window, (mp.split0 + blockIdx.x) * kSplit, kSplit, lo, hi);
   if (hi <= lo) return;
   const int kt_lo = lo / kTileKeys, kt_hi = (hi + kTileKeys - 1) / kTileKeys;
 
