@@ -270,20 +270,42 @@ __device__ __forceinline__ void load_stage(const T* src, int64_t stride_n, int n
   }
 }
 
-// The end of a stage at rows [n0, n0 + ROWS): the next stage's rows move into cur, from
-// the registers they were prefetched into (PREFETCH), else by loading them now.
-template <bool PREFETCH, typename T, int VEC, int ITEMS, int ROWS, class Items>
-__device__ __forceinline__ void advance_stage(const T* src, int64_t stride_n, int n0, int n_end, const Items& items,
-                                              hw::Pack<T, VEC> (&cur)[ROWS][ITEMS],
-                                              const hw::Pack<T, VEC> (&nxt)[ROWS][ITEMS]) {
-  if constexpr (PREFETCH) {
-    HW_UNROLL
-    for (int j = 0; j < ROWS; ++j) {
-      HW_UNROLL
-      for (int i = 0; i < ITEMS; ++i) cur[j][i] = nxt[j][i];
+// Runs stage(cur, n0) for n0 = 0, ROWS, 2 ROWS, ... < n_end, cur holding the position's
+// rows [n0, n0 + ROWS). With PREFETCH the next stage's loads are issued before each stage
+// runs, into a second register set; with ALTERNATE the loop is unrolled by two so that
+// the sets alternate, else the prefetched rows are copied into the first set after each
+// stage (16 register moves a bf16 stage of 2 rows x 2 items; the forward keeps them: at
+// the 128-register cap it spilled on sm_80 and sm_100 with alternating sets).
+// Without PREFETCH the next stage is loaded after the stage, into the same set.
+template <bool PREFETCH, bool ALTERNATE, typename T, int VEC, int ITEMS, int ROWS, class Items, class Stage>
+__device__ __forceinline__ void for_each_stage(const T* src, int64_t stride_n, int n_end, const Items& items,
+                                               Stage&& stage) {
+  hw::Pack<T, VEC> even[ROWS][ITEMS], odd[ROWS][ITEMS];
+  load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, 0, n_end, items, even);
+  if constexpr (PREFETCH && ALTERNATE) {
+    for (int n0 = 0; n0 < n_end; n0 += 2 * ROWS) {
+      load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + ROWS, n_end, items, odd);
+      stage(even, n0);
+      if (n0 + ROWS >= n_end) break;
+      load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + 2 * ROWS, n_end, items, even);
+      stage(odd, n0 + ROWS);
     }
-  } else if (n0 + ROWS < n_end) {
-    load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + ROWS, n_end, items, cur);
+  } else if constexpr (PREFETCH) {
+    for (int n0 = 0; n0 < n_end; n0 += ROWS) {
+      load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + ROWS, n_end, items, odd);
+      stage(even, n0);
+      HW_UNROLL
+      for (int j = 0; j < ROWS; ++j) {
+        HW_UNROLL
+        for (int i = 0; i < ITEMS; ++i) even[j][i] = odd[j][i];
+      }
+    }
+  } else {
+    (void)odd;
+    for (int n0 = 0; n0 < n_end; n0 += ROWS) {
+      stage(even, n0);
+      if (n0 + ROWS < n_end) load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + ROWS, n_end, items, even);
+    }
   }
 }
 
@@ -467,12 +489,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
       for (int k = 0; k < VEC; ++k) acc.set(i, k, 0.f);
     }
 
-    hw::Pack<T, VEC> cur[ROWS][ITEMS];
-    load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, 0, num_src, items, cur);
-    for (int n0 = 0; n0 < num_src; n0 += ROWS) {
-      hw::Pack<T, VEC> nxt[ROWS][ITEMS];
-      if (PREFETCH) load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, items, nxt);
-
+    // One stage: the rows [n0, n0 + ROWS) of the position, in cur.
+    using StageRows = hw::Pack<T, VEC>[ROWS][ITEMS];
+    auto stage = [&](StageRows& cur, int n0) {
       // The stage with its first R rows present (R = ROWS, or the 1 row left of an odd N
       // when ROWS = 2): the absent row's unpack, sums and fold are not issued at all, and
       // its sums enter the block and head reductions as zeros.
@@ -572,9 +591,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
       } else {
         fold_stage(std::integral_constant<int, 1>{});
       }
-
-      advance_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0, num_src, items, cur, nxt);
-    }
+    };
+    for_each_stage<PREFETCH, /*ALTERNATE=*/false, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, num_src, items,
+                                                                      stage);
 
     T* out = static_cast<T*>(p.out) + pos * p.route.d;
     const T* res = p.residual == nullptr
@@ -727,12 +746,10 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
         }
       };
 
-      // Pass 1: a, b and the sum of squares of every row, per head.
-      hw::Pack<T, VEC> cur[ROWS][ITEMS];
-      load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, 0, num_src, items, cur);
-      for (int n0 = 0; n0 < num_src; n0 += ROWS) {
-        hw::Pack<T, VEC> nxt[ROWS][ITEMS];
-        if (PREFETCH) load_stage<T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0 + ROWS, num_src, items, nxt);
+      // Pass 1: a, b and the sum of squares of every row, per head; a stage has the rows
+      // [n0, n0 + ROWS) in cur.
+      using StageRows = hw::Pack<T, VEC>[ROWS][ITEMS];
+      auto pass1_stage = [&](StageRows& cur, int n0) {
         const int rows = num_src - n0 < ROWS ? num_src - n0 : ROWS;
         if (p.stage_rows) {
           HW_UNROLL
@@ -816,8 +833,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
             }
           }
         }
-        advance_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, n0, num_src, items, cur, nxt);
-      }
+      };
+      for_each_stage<PREFETCH, /*ALTERNATE=*/true, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, num_src, items,
+                                                                       pass1_stage);
       __syncthreads();
       if constexpr (kDeferred) {
         // a, b, ss of (n, h): the head's kv / 32 warp sums in ascending order (HeadSums'
