@@ -34,7 +34,10 @@
 //   - Forward, per stage: one block reduction of the ROWS sums of squares and one head
 //     reduction of the ROWS x ITEMS logit partials (no barrier when a head is a lane
 //     segment of a warp), then the online-softmax fold of the stage. The logits stay in
-//     shared memory; each weight is written once at the end, coalesced.
+//     shared memory; each weight is written once at the end, coalesced. q * g is read
+//     from a thread-private shared-memory slice once a stage (4 LDS.128), which leaves
+//     its 16 registers to the rows in flight: the stages alternate two register sets
+//     instead of copying the prefetched rows into one.
 //   - Backward, per position: pass 1 reads each row once (staged into shared memory when
 //     N rows fit, each thread keeping its own vectors, so no barrier guards them) and
 //     head-reduces a, b and the sums of squares (heads of whole warps, the vector layout:
@@ -129,6 +132,12 @@ __host__ __device__ inline int64_t slice_block_floats(int64_t items, int64_t thr
   return threads * (items * vec + 1);
 }
 
+// Floats of one [d]-sized vector's VectorSlice block: a thread's ITEMS x VEC values and
+// 4 pad words each.
+__host__ __device__ inline int64_t vector_slice_floats(int64_t items, int64_t threads, int64_t vec) {
+  return threads * (items * vec + 4);
+}
+
 // Floats of the slices of the scalar layout (three [d]-sized vectors per thread block: q,
 // g and the accumulator, or q * g, dout and z).
 __host__ __device__ inline int64_t param_slice_floats(bool in_smem, int64_t items, int64_t threads, int64_t vec) {
@@ -137,11 +146,21 @@ __host__ __device__ inline int64_t param_slice_floats(bool in_smem, int64_t item
 
 // Forward dynamic smem (floats): BlockSums scratch (2 x 32 x ROWS), HeadSums scratch,
 // per position (two, by parity) the logits [N, H], the heads' max and 1 / denominator
-// [H], then the parameter slices.
+// [H], then, 16-byte aligned, the parameter slices (fwd_param_floats).
 __host__ __device__ inline int64_t fwd_pos_floats(int64_t n, int64_t heads) { return n * heads + 2 * heads; }
+__host__ __device__ inline int64_t fwd_slices_offset(HeadReduce mode, int64_t nvec, int rows, int64_t n,
+                                                     int64_t heads) {
+  return (64 * rows + head_sums_floats(mode, nvec, rows) + 2 * fwd_pos_floats(n, heads) + 3) / 4 * 4;
+}
+
+// Floats of the forward's parameter slices: the scalar layout's q * g, running max and
+// accumulator (three slice blocks), or the vector layout's q * g (a VectorSlice block).
+__host__ __device__ inline int64_t fwd_param_floats(int64_t vec, int64_t items, int64_t threads) {
+  return vec == 1 ? 3 * slice_block_floats(items, threads, vec) : vector_slice_floats(items, threads, vec);
+}
 __host__ __device__ inline int64_t fwd_smem_floats(HeadReduce mode, int64_t nvec, int rows, int64_t n,
-                                                   int64_t heads, int64_t param_floats) {
-  return 64 * rows + head_sums_floats(mode, nvec, rows) + 2 * fwd_pos_floats(n, heads) + param_floats;
+                                                   int64_t heads, int64_t vec, int64_t items, int64_t threads) {
+  return fwd_slices_offset(mode, nvec, rows, n, heads) + fwd_param_floats(vec, items, threads);
 }
 
 // Whether the backward's pass 1 defers its head sums: with kWarps and the vector layout
@@ -189,6 +208,28 @@ struct ThreadVectors {
     if (IN_SMEM) slice[i * VEC + k] = x;
     else reg[IN_SMEM ? 0 : i][k] = x;
   }
+  __device__ void load(int i, float (&x)[VEC]) const {
+    HW_UNROLL
+    for (int k = 0; k < VEC; ++k) x[k] = get(i, k);
+  }
+};
+
+// The thread's ITEMS x VEC values of a [d]-sized fp32 vector in a thread-private
+// shared-memory slice read a whole vector at a time (16-byte accesses; VEC a multiple of
+// 4, ITEMS * VEC of 8): ITEMS * VEC words at tid * kPitch. The pitch, 4 mod 8 words, puts
+// the 8 threads of a 16-byte access phase in 8 distinct 4-bank groups (no conflict), and
+// each vector is an immediate offset from one base register. No barrier guards a
+// thread's slice. The forward keeps q * g here, read once a stage: its 16 registers hold
+// the second set of rows in flight instead.
+template <int ITEMS, int VEC>
+struct VectorSlice {
+  static constexpr int kPitch = ITEMS * VEC + 4;
+  float* slice;
+
+  // slice_block: the vector's slices for the whole block (vector_slice_floats, 16-byte aligned).
+  __device__ explicit VectorSlice(float* slice_block) : slice(slice_block + threadIdx.x * kPitch) {}
+  __device__ void store(int i, const float (&x)[VEC]) const { hw::store_from_float<VEC>(slice + i * VEC, x); }
+  __device__ void load(int i, float (&x)[VEC]) const { hw::load_as_float<VEC>(slice + i * VEC, x); }
 };
 
 // A thread's items, fixed for the kernel: item i is vector v = tid + i * blockDim.x of
@@ -256,6 +297,21 @@ __device__ __forceinline__ ThreadVectors<ITEMS, VEC, IN_SMEM> load_qg(const Rout
   return qg;
 }
 
+// q * g for the forward: the scalar layout's thread slices (load_qg), or the vector
+// layout's VectorSlice at `slices`.
+template <int ITEMS, int VEC>
+__device__ __forceinline__ auto forward_qg(const Routing& route, int nvec, int nthreads, float* slices) {
+  if constexpr (VEC == 1) {
+    return load_qg<ITEMS, VEC, true>(route, nvec, nthreads, slices);
+  } else {
+    const ThreadVectors<ITEMS, VEC, false> reg = load_qg<ITEMS, VEC, false>(route, nvec, nthreads, slices);
+    const VectorSlice<ITEMS, VEC> qg(slices);
+    HW_UNROLL
+    for (int i = 0; i < ITEMS; ++i) qg.store(i, reg.reg[i]);
+    return qg;
+  }
+}
+
 // Issues the loads of rows [n0, n0 + ROWS) of a position (the thread's vectors; zeros
 // for rows >= n_end and absent items).
 template <typename T, int VEC, int ITEMS, int ROWS, class Items>
@@ -274,9 +330,9 @@ __device__ __forceinline__ void load_stage(const T* src, int64_t stride_n, int n
 // rows [n0, n0 + ROWS). With PREFETCH the next stage's loads are issued before each stage
 // runs, into a second register set; with ALTERNATE the loop is unrolled by two so that
 // the sets alternate, else the prefetched rows are copied into the first set after each
-// stage (16 register moves a bf16 stage of 2 rows x 2 items; the forward keeps them: at
-// the 128-register cap it spilled on sm_80 and sm_100 with alternating sets).
-// Without PREFETCH the next stage is loaded after the stage, into the same set.
+// stage (16 register moves a bf16 stage of 2 rows x 2 items, and the stage's address
+// arithmetic formed again). Without PREFETCH the next stage is loaded after the stage,
+// into the same set.
 template <bool PREFETCH, bool ALTERNATE, typename T, int VEC, int ITEMS, int ROWS, class Items, class Stage>
 __device__ __forceinline__ void for_each_stage(const T* src, int64_t stride_n, int n_end, const Items& items,
                                                Stage&& stage) {
@@ -459,10 +515,10 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
   HeadSums<ITEMS, ROWS, MODE> head_sums(smem + 64 * ROWS, nvec, kv, heads);
   float* pos_smem = smem + 64 * ROWS + head_sums_floats(MODE, nvec, ROWS);
   const int pos_floats = static_cast<int>(fwd_pos_floats(num_src, heads));
-  float* slices = pos_smem + 2 * pos_floats;
+  float* slices = smem + fwd_slices_offset(MODE, nvec, ROWS, num_src, heads);
 
   constexpr bool kSlices = VEC == 1;
-  ThreadVectors<ITEMS, VEC, kSlices> qg = load_qg<ITEMS, VEC, kSlices>(p.route, nvec, nthreads, slices);
+  const auto qg = forward_qg<ITEMS, VEC>(p.route, nvec, nthreads, slices);
   const float gate = p.gate == nullptr ? 1.f : *p.gate;
 
   int parity = 0;
@@ -530,12 +586,13 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
           for (int i = 0; i < ITEMS; ++i) {
             float l = 0.f;
             if (j < R) {
-              float u[VEC];
+              float u[VEC], w[VEC];
               HW_UNROLL
               for (int k = 0; k < VEC; ++k) u[k] = xv(j, i, k) * r[j];
               hw::round_vec_to<T, VEC>(u);
+              qg.load(i, w);
               HW_UNROLL
-              for (int k = 0; k < VEC; ++k) l += u[k] * qg.get(i, k);
+              for (int k = 0; k < VEC; ++k) l += u[k] * w[k];
             }
             logit[j][i] = l;
           }
@@ -592,8 +649,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
         fold_stage(std::integral_constant<int, 1>{});
       }
     };
-    for_each_stage<PREFETCH, /*ALTERNATE=*/false, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, num_src, items,
-                                                                      stage);
+    for_each_stage<PREFETCH, /*ALTERNATE=*/true, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, num_src, items,
+                                                                     stage);
 
     T* out = static_cast<T*>(p.out) + pos * p.route.d;
     const T* res = p.residual == nullptr

@@ -177,8 +177,8 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
       using C = decltype(cfg);
       auto kernel = &mhar_route_fwd_kernel<T, C::vec, C::items, C::rows, C::prefetch, C::mode>;
       const size_t smem_bytes =
-          static_cast<size_t>(fwd_smem_floats(plan.mode, plan.nvec, C::rows, s.num_sources, s.heads,
-                                              param_slice_floats(C::vec == 1, C::items, plan.threads, C::vec))) *
+          static_cast<size_t>(fwd_smem_floats(plan.mode, plan.nvec, C::rows, s.num_sources, s.heads, C::vec,
+                                              C::items, plan.threads)) *
           sizeof(float);
       hw::allow_dynamic_smem("mhar_route", kernel, smem_bytes);
       HW_LAUNCH("mhar_route_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.positions(), kFwdMaxBlocks))),
