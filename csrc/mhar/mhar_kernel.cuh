@@ -241,6 +241,7 @@ constexpr int kCachedItems = 4;
 template <int ITEMS, bool CACHE = (ITEMS <= kCachedItems)>
 class ThreadItems {
  public:
+  static constexpr bool kCachedHeads = CACHE;
   __device__ ThreadItems(int nvec, int kv) : nvec_(nvec), kv_(kv) {
     HW_UNROLL
     for (int i = 0; i < kCached; ++i) {
@@ -386,11 +387,23 @@ class BlockSums {
       for (int k = 0; k < (COUNT >> hw::warp_scatter_levels(COUNT)); ++k) buf[(first + k) * 32 + warp] = held[k];
     }
     __syncthreads();
+    // Each thread adds the warp sums in warp order, four at a time (one broadcast
+    // LDS.128 each; the same sums as one at a time).
     const int nwarps = blockDim.x >> 5;
     HW_UNROLL
     for (int c = 0; c < COUNT; ++c) {
+      const float* sums = buf + c * 32;
       float total = 0.f;
-      for (int w = 0; w < nwarps; ++w) total += buf[c * 32 + w];
+      int w = 0;
+      HW_NO_UNROLL
+      for (; w + 4 <= nwarps; w += 4) {
+        float four[4];
+        hw::load_as_float<4>(sums + w, four);
+        HW_UNROLL
+        for (int k = 0; k < 4; ++k) total += four[k];
+      }
+      HW_NO_UNROLL
+      for (; w < nwarps; ++w) total += sums[w];
       v[c] = total;
     }
   }
@@ -446,15 +459,56 @@ class HeadSums {
       }
       __syncthreads();
       const int chunks = kv_ >> 5;
-      HW_UNROLL
-      for (int i = 0; i < ITEMS; ++i) {
-        if (!items.valid(i)) continue;
-        const int c0 = items.head(i) * chunks;
+      if constexpr (kValues <= 32) {
+        // A head is whole warps, so item i lies in one head in every lane of the warp:
+        // lane c ITEMS + i adds the warp sums of value c of item i's head (in warp order)
+        // and a shuffle hands each sum to every lane. Lanes past the values redo value 0.
+        const int k = lane < kValues ? lane : 0;
+        const int c = k / ITEMS, i = k % ITEMS;
+        bool valid = false;
+        int head = 0;
+        if constexpr (Items::kCachedHeads) {
+          // Selected from the cached heads (an index by i would put them in local memory).
+          HW_UNROLL
+          for (int j = 0; j < ITEMS; ++j) {
+            if (j == i) {
+              valid = items.valid(j);
+              head = items.head(j);
+            }
+          }
+        } else {
+          valid = items.valid(i);
+          head = items.head(i);
+        }
+        float s = 0.f;
+        if (valid) {
+          const float* sums = part + c * nw + head * chunks;
+          HW_NO_UNROLL
+          for (const float* w = sums; w != sums + chunks; ++w) s += *w;
+        }
         HW_UNROLL
-        for (int c = 0; c < COUNT; ++c) {
-          float s = 0.f;
-          for (int j = 0; j < chunks; ++j) s += part[c * nw + c0 + j];
-          val[c][i] = s;
+        for (int cv = 0; cv < COUNT; ++cv) {
+          HW_UNROLL
+          for (int iv = 0; iv < ITEMS; ++iv) {
+            const float total = __shfl_sync(hw::kFullWarp, s, cv * ITEMS + iv);
+            if (items.valid(iv)) val[cv][iv] = total;
+          }
+        }
+      } else {
+        // More values than lanes (the scalar layout's backward: 16 items x 3 values):
+        // each thread adds its items' head sums.
+        HW_UNROLL
+        for (int i = 0; i < ITEMS; ++i) {
+          if (!items.valid(i)) continue;
+          const int c0 = items.head(i) * chunks;
+          HW_UNROLL
+          for (int c = 0; c < COUNT; ++c) {
+            const float* sums = part + c * nw + c0;
+            float s = 0.f;
+            HW_NO_UNROLL
+            for (const float* w = sums; w != sums + chunks; ++w) s += *w;
+            val[c][i] = s;
+          }
         }
       }
     } else {
