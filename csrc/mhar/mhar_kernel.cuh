@@ -144,13 +144,18 @@ __host__ __device__ inline int64_t param_slice_floats(bool in_smem, int64_t item
   return in_smem ? 3 * slice_block_floats(items, threads, vec) : 0;
 }
 
-// Forward dynamic smem (floats): BlockSums scratch (2 x 32 x ROWS), HeadSums scratch,
+// Words a value of BlockSums takes in its scratch: the 32 warp sums and 4 pad words, so
+// that the values' slots lie in different banks and stay 16-byte aligned.
+constexpr int kBlockSumsPitch = 36;
+__host__ __device__ inline int64_t block_sums_floats(int count) { return 2 * kBlockSumsPitch * count; }
+
+// Forward dynamic smem (floats): BlockSums scratch (block_sums_floats), HeadSums scratch,
 // per position (two, by parity) the logits [N, H], the heads' max and 1 / denominator
 // [H], then, 16-byte aligned, the parameter slices (fwd_param_floats).
 __host__ __device__ inline int64_t fwd_pos_floats(int64_t n, int64_t heads) { return n * heads + 2 * heads; }
 __host__ __device__ inline int64_t fwd_slices_offset(HeadReduce mode, int64_t nvec, int rows, int64_t n,
                                                      int64_t heads) {
-  return (64 * rows + head_sums_floats(mode, nvec, rows) + 2 * fwd_pos_floats(n, heads) + 3) / 4 * 4;
+  return (block_sums_floats(rows) + head_sums_floats(mode, nvec, rows) + 2 * fwd_pos_floats(n, heads) + 3) / 4 * 4;
 }
 
 // Floats of the forward's parameter slices: the scalar layout's q * g, running max and
@@ -366,15 +371,15 @@ __device__ __forceinline__ void for_each_stage(const T* src, int64_t stride_n, i
   }
 }
 
-// Block-wide sums of COUNT values with one __syncthreads per call; the scratch (2 x 32 x
-// COUNT floats) alternates halves by call parity as hw::BlockSum's does.
+// Block-wide sums of COUNT values with one __syncthreads per call; the scratch
+// (block_sums_floats(COUNT)) alternates halves by call parity as hw::BlockSum's does.
 template <int COUNT>
 class BlockSums {
  public:
   __device__ explicit BlockSums(float* scratch) : scratch_(scratch) {}
 
   __device__ void operator()(float (&v)[COUNT]) {
-    float* buf = scratch_ + (calls_++ & 1) * 32 * COUNT;
+    float* buf = scratch_ + (calls_++ & 1) * kBlockSumsPitch * COUNT;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     // The COUNT warp sums, spread over the lanes; each leader stores the ones it holds.
@@ -384,28 +389,29 @@ class BlockSums {
     hw::warp_sum_scatter(held);
     if (hw::warp_scatter_leader<COUNT>(lane)) {
       const int first = hw::warp_scatter_first<COUNT>(lane);
-      for (int k = 0; k < (COUNT >> hw::warp_scatter_levels(COUNT)); ++k) buf[(first + k) * 32 + warp] = held[k];
+      for (int k = 0; k < (COUNT >> hw::warp_scatter_levels(COUNT)); ++k)
+        buf[(first + k) * kBlockSumsPitch + warp] = held[k];
     }
     __syncthreads();
-    // Each thread adds the warp sums in warp order, four at a time (one broadcast
-    // LDS.128 each; the same sums as one at a time).
+    // Lane c adds value c's warp sums in warp order, four at a time (an LDS.128 each; the
+    // same sums as one at a time), and a shuffle hands each total to every lane. Lanes
+    // past the values redo value 0.
+    static_assert(COUNT <= 32, "a lane per value");
     const int nwarps = blockDim.x >> 5;
-    HW_UNROLL
-    for (int c = 0; c < COUNT; ++c) {
-      const float* sums = buf + c * 32;
-      float total = 0.f;
-      int w = 0;
-      HW_NO_UNROLL
-      for (; w + 4 <= nwarps; w += 4) {
-        float four[4];
-        hw::load_as_float<4>(sums + w, four);
-        HW_UNROLL
-        for (int k = 0; k < 4; ++k) total += four[k];
-      }
-      HW_NO_UNROLL
-      for (; w < nwarps; ++w) total += sums[w];
-      v[c] = total;
+    const float* sums = buf + (lane < COUNT ? lane : 0) * kBlockSumsPitch;
+    float total = 0.f;
+    int w = 0;
+    HW_NO_UNROLL
+    for (; w + 4 <= nwarps; w += 4) {
+      float four[4];
+      hw::load_as_float<4>(sums + w, four);
+      HW_UNROLL
+      for (int k = 0; k < 4; ++k) total += four[k];
     }
+    HW_NO_UNROLL
+    for (; w < nwarps; ++w) total += sums[w];
+    HW_UNROLL
+    for (int c = 0; c < COUNT; ++c) v[c] = __shfl_sync(hw::kFullWarp, total, c);
   }
 
  private:
@@ -566,8 +572,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
 
   float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
   BlockSums<ROWS> block_sums(smem);
-  HeadSums<ITEMS, ROWS, MODE> head_sums(smem + 64 * ROWS, nvec, kv, heads);
-  float* pos_smem = smem + 64 * ROWS + head_sums_floats(MODE, nvec, ROWS);
+  HeadSums<ITEMS, ROWS, MODE> head_sums(smem + block_sums_floats(ROWS), nvec, kv, heads);
+  float* pos_smem = smem + block_sums_floats(ROWS) + head_sums_floats(MODE, nvec, ROWS);
   const int pos_floats = static_cast<int>(fwd_pos_floats(num_src, heads));
   float* slices = smem + fwd_slices_offset(MODE, nvec, ROWS, num_src, heads);
 
