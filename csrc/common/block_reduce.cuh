@@ -72,6 +72,18 @@ __device__ __forceinline__ bool warp_scatter_leader(int lane) {
   return (lane & ((32 >> warp_scatter_levels(M)) - 1)) == 0;
 }
 
+// After warp_sum_scatter<M>(held): calls store(s, sum) for each sum s in [0, M) that this
+// lane holds, if it is its group's leader (so each sum is stored by one lane of the warp).
+template <int M, class Store>
+__device__ __forceinline__ void store_scattered_sums(const float (&held)[M], Store&& store) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  if (warp_scatter_leader<M>(lane)) {
+    const int first = warp_scatter_first<M>(lane);
+#pragma unroll
+    for (int k = 0; k < (M >> warp_scatter_levels(M)); ++k) store(first + k, held[k]);
+  }
+}
+
 // Sum over aligned groups of `width` lanes (width a power of two <= 32); every lane of
 // a group receives its group's sum. All 32 lanes must call it.
 __device__ __forceinline__ float warp_segment_sum(float v, int width) {

@@ -387,11 +387,7 @@ class BlockSums {
     HW_UNROLL
     for (int c = 0; c < COUNT; ++c) held[c] = v[c];
     hw::warp_sum_scatter(held);
-    if (hw::warp_scatter_leader<COUNT>(lane)) {
-      const int first = hw::warp_scatter_first<COUNT>(lane);
-      for (int k = 0; k < (COUNT >> hw::warp_scatter_levels(COUNT)); ++k)
-        buf[(first + k) * kBlockSumsPitch + warp] = held[k];
-    }
+    hw::store_scattered_sums(held, [&](int c, float sum) { buf[c * kBlockSumsPitch + warp] = sum; });
     __syncthreads();
     // Lane c adds value c's warp sums in warp order, four at a time (an LDS.128 each; the
     // same sums as one at a time), and a shuffle hands each total to every lane. Lanes
@@ -454,15 +450,11 @@ class HeadSums {
         for (int i = 0; i < ITEMS; ++i) held[c * ITEMS + i] = val[c][i];
       }
       hw::warp_sum_scatter(held);
+      hw::store_scattered_sums(held, [&](int value, float sum) {
+        const int i = value % ITEMS;
+        if (items.valid(i)) part[value / ITEMS * nw + (items.offset(i) >> 5)] = sum;
+      });
       const int lane = tid & 31;
-      if (hw::warp_scatter_leader<kValues>(lane)) {
-        const int first = hw::warp_scatter_first<kValues>(lane);
-        for (int k = 0; k < (kValues >> hw::warp_scatter_levels(kValues)); ++k) {
-          const int c = (first + k) / ITEMS;
-          const int i = (first + k) % ITEMS;
-          if (items.valid(i)) part[c * nw + (items.offset(i) >> 5)] = held[k];
-        }
-      }
       __syncthreads();
       const int chunks = kv_ >> 5;
       if constexpr (kValues <= 32) {
