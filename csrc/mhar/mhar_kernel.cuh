@@ -334,33 +334,21 @@ __device__ __forceinline__ void load_stage(const T* src, int64_t stride_n, int n
 
 // Runs stage(cur, n0) for n0 = 0, ROWS, 2 ROWS, ... < n_end, cur holding the position's
 // rows [n0, n0 + ROWS). With PREFETCH the next stage's loads are issued before each stage
-// runs, into a second register set; with ALTERNATE the loop is unrolled by two so that
-// the sets alternate, else the prefetched rows are copied into the first set after each
-// stage (16 register moves a bf16 stage of 2 rows x 2 items, and the stage's address
-// arithmetic formed again). Without PREFETCH the next stage is loaded after the stage,
-// into the same set.
-template <bool PREFETCH, bool ALTERNATE, typename T, int VEC, int ITEMS, int ROWS, class Items, class Stage>
+// runs, into the other of two register sets: the loop is unrolled by two so that the sets
+// alternate (no stage copies the prefetched rows, nor forms its address arithmetic
+// again). Without PREFETCH the next stage is loaded after the stage, into the same set.
+template <bool PREFETCH, typename T, int VEC, int ITEMS, int ROWS, class Items, class Stage>
 __device__ __forceinline__ void for_each_stage(const T* src, int64_t stride_n, int n_end, const Items& items,
                                                Stage&& stage) {
   hw::Pack<T, VEC> even[ROWS][ITEMS], odd[ROWS][ITEMS];
   load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, 0, n_end, items, even);
-  if constexpr (PREFETCH && ALTERNATE) {
+  if constexpr (PREFETCH) {
     for (int n0 = 0; n0 < n_end; n0 += 2 * ROWS) {
       load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + ROWS, n_end, items, odd);
       stage(even, n0);
       if (n0 + ROWS >= n_end) break;
       load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + 2 * ROWS, n_end, items, even);
       stage(odd, n0 + ROWS);
-    }
-  } else if constexpr (PREFETCH) {
-    for (int n0 = 0; n0 < n_end; n0 += ROWS) {
-      load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + ROWS, n_end, items, odd);
-      stage(even, n0);
-      HW_UNROLL
-      for (int j = 0; j < ROWS; ++j) {
-        HW_UNROLL
-        for (int i = 0; i < ITEMS; ++i) even[j][i] = odd[j][i];
-      }
     }
   } else {
     (void)odd;
@@ -701,8 +689,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
         fold_stage(std::integral_constant<int, 1>{});
       }
     };
-    for_each_stage<PREFETCH, /*ALTERNATE=*/true, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, num_src, items,
-                                                                     stage);
+    for_each_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, num_src, items, stage);
 
     T* out = static_cast<T*>(p.out) + pos * p.route.d;
     const T* res = p.residual == nullptr
@@ -943,8 +930,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
           }
         }
       };
-      for_each_stage<PREFETCH, /*ALTERNATE=*/true, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, num_src, items,
-                                                                       pass1_stage);
+      for_each_stage<PREFETCH, T, VEC, ITEMS, ROWS>(src, p.route.src_stride_n, num_src, items, pass1_stage);
       __syncthreads();
       if constexpr (kDeferred) {
         // a, b, ss of (n, h): the head's kv / 32 warp sums in ascending order (HeadSums'
