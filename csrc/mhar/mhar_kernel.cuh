@@ -112,6 +112,30 @@ struct BwdParams {
   float* gate_partial;       // [segments]: per-segment sums of S_h over heads and positions
 };
 
+// Quotient q and remainder r by a fixed divisor of the indices i, i + stride, ...
+// (i = q divisor + r), stepped by adds and one compare: no integer division per index
+// (two at construction). For the (b, t) of a block's positions (b < B and t < T fit
+// in 32 bits).
+template <typename I>
+class IndexSteps {
+ public:
+  __device__ IndexSteps(I i, I stride, I divisor)
+      : q(i / divisor), r(i - q * divisor), step_q_(stride / divisor), step_r_(stride - step_q_ * divisor),
+        divisor_(divisor) {}
+  __device__ void next() {
+    q += step_q_;
+    r += step_r_;
+    if (r >= divisor_) {
+      r -= divisor_;
+      ++q;
+    }
+  }
+  I q, r;
+
+ private:
+  I step_q_, step_r_, divisor_;
+};
+
 __host__ __device__ inline int64_t bwd_segments(int64_t positions) {
   return (positions + kBwdSegment - 1) / kBwdSegment;
 }
@@ -576,14 +600,14 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
   const float gate = p.gate == nullptr ? 1.f : *p.gate;
 
   int parity = 0;
-  for (int64_t pos = blockIdx.x; pos < p.route.positions; pos += gridDim.x, parity ^= 1) {
+  IndexSteps<int> bt(blockIdx.x, gridDim.x, static_cast<int>(p.route.seq));  // the position's (b, t)
+  for (int64_t pos = blockIdx.x; pos < p.route.positions; pos += gridDim.x, parity ^= 1, bt.next()) {
     // This position's logits [N, H], max [H], den [H]; the other parity's belong to the
     // previous position, which slower threads may still be reading.
     float* s_logit = pos_smem + parity * pos_floats;
     float* s_max = s_logit + num_src * heads;
     float* s_den = s_max + heads;
-    const int64_t b = pos / p.route.seq;
-    const int64_t t = pos - b * p.route.seq;
+    const int64_t b = bt.q, t = bt.r;
     const T* src = static_cast<const T*>(p.route.sources) + b * p.route.src_stride_b + t * p.route.src_stride_t;
 
     ThreadVectors<ITEMS, VEC, kSlices> acc(slices + 2 * slice_block_floats(ITEMS, nthreads, VEC));

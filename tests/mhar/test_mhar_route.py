@@ -30,6 +30,9 @@ SHAPES = [
     pytest.param(5, 3, 37, 96, 3, id="N5-B3-T37-segment-tail"),
     # More positions than the forward's 1024 blocks: blocks loop over positions.
     pytest.param(2, 1, 1100, 16, 2, id="N2-T1100-d16-blocks-loop"),
+    # ... and across batch rows: a block's next position is 146 rows and 2 steps on
+    # (1024 = 146 * 7 + 2), so its (b, t) steps wrap t (block 5: (0, 5) -> (147, 0)).
+    pytest.param(2, 200, 7, 16, 2, id="N2-B200-T7-d16-blocks-loop-rows"),
 ]
 
 FP32_TOL = 2e-6
