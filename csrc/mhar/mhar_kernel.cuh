@@ -116,10 +116,9 @@ struct BwdParams {
 // (i = q divisor + r), stepped by adds and one compare: no integer division per index
 // (two at construction). For the (b, t) of a block's positions (b < B and t < T fit
 // in 32 bits).
-template <typename I>
 class IndexSteps {
  public:
-  __device__ IndexSteps(I i, I stride, I divisor)
+  __device__ IndexSteps(int i, int stride, int divisor)
       : q(i / divisor), r(i - q * divisor), step_q_(stride / divisor), step_r_(stride - step_q_ * divisor),
         divisor_(divisor) {}
   __device__ void next() {
@@ -130,10 +129,10 @@ class IndexSteps {
       ++q;
     }
   }
-  I q, r;
+  int q, r;
 
  private:
-  I step_q_, step_r_, divisor_;
+  int step_q_, step_r_, divisor_;
 };
 
 __host__ __device__ inline int64_t bwd_segments(int64_t positions) {
@@ -600,7 +599,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
   const float gate = p.gate == nullptr ? 1.f : *p.gate;
 
   int parity = 0;
-  IndexSteps<int> bt(blockIdx.x, gridDim.x, static_cast<int>(p.route.seq));  // the position's (b, t)
+  IndexSteps bt(blockIdx.x, gridDim.x, static_cast<int>(p.route.seq));  // the position's (b, t)
   for (int64_t pos = blockIdx.x; pos < p.route.positions; pos += gridDim.x, parity ^= 1, bt.next()) {
     // This position's logits [N, H], max [H], den [H]; the other parity's belong to the
     // previous position, which slower threads may still be reading.
