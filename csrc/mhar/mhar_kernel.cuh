@@ -168,18 +168,17 @@ __host__ __device__ inline int64_t param_slice_floats(bool in_smem, int64_t item
   return in_smem ? 3 * slice_block_floats(items, threads, vec) : 0;
 }
 
-// Words a value of BlockSums takes in its scratch: the 32 warp sums and 4 pad words, so
-// that the values' slots lie in different banks and stay 16-byte aligned.
-constexpr int kBlockSumsPitch = 36;
-__host__ __device__ inline int64_t block_sums_floats(int count) { return 2 * kBlockSumsPitch * count; }
+// Floats of BlockSums' scratch: two halves of 32 words (a value's warp sums in a
+// 32 / COUNT-word segment; kMaxThreads / 32 = 16 warps fill a segment at COUNT = 2).
+constexpr int kBlockSumsFloats = 64;
 
-// Forward dynamic smem (floats): BlockSums scratch (block_sums_floats), HeadSums scratch,
+// Forward dynamic smem (floats): BlockSums scratch (kBlockSumsFloats), HeadSums scratch,
 // per position (two, by parity) the logits [N, H], the heads' max and 1 / denominator
 // [H], then, 16-byte aligned, the parameter slices (fwd_param_floats).
 __host__ __device__ inline int64_t fwd_pos_floats(int64_t n, int64_t heads) { return n * heads + 2 * heads; }
 __host__ __device__ inline int64_t fwd_slices_offset(HeadReduce mode, int64_t nvec, int rows, int64_t n,
                                                      int64_t heads) {
-  return (block_sums_floats(rows) + head_sums_floats(mode, nvec, rows) + 2 * fwd_pos_floats(n, heads) + 3) / 4 * 4;
+  return (kBlockSumsFloats + head_sums_floats(mode, nvec, rows) + 2 * fwd_pos_floats(n, heads) + 3) / 4 * 4;
 }
 
 // Floats of the forward's parameter slices: the scalar layout's q * g, running max and
@@ -356,55 +355,87 @@ __device__ __forceinline__ auto forward_qg(const Routing& route, int nvec, int n
 }
 
 // Issues the loads of rows [n0, n0 + ROWS) of a position (the thread's vectors; zeros
-// for rows >= n_end and absent items).
+// for rows >= n_end and absent items). base: the position's row 0, at the thread's first
+// vector (src + tid VEC) in the vector layout, whose loads are then one 64-bit add of a
+// block-uniform offset each; the scalar layout's forward spills with that register pair
+// held (16 items), so there base is src and each load adds the item's offset.
 template <typename T, int VEC, int ITEMS, int ROWS, class Items>
-__device__ __forceinline__ void load_stage(const T* src, int64_t stride_n, int n0, int n_end, const Items& items,
+__device__ __forceinline__ void load_stage(const T* base, int64_t stride_n, int n0, int n_end, const Items& items,
                                            hw::Pack<T, VEC> (&x)[ROWS][ITEMS]) {
-  const T* row = src + n0 * stride_n;
-  HW_UNROLL
-  for (int r = 0; r < ROWS; ++r, row += stride_n) {
+  if constexpr (VEC > 1) {
+    const int64_t item_stride = static_cast<int64_t>(blockDim.x) * VEC;
     HW_UNROLL
-    for (int i = 0; i < ITEMS; ++i)
-      x[r][i] = hw::load_pack_if<T, VEC>(row + items.offset(i) * VEC, n0 + r < n_end && items.valid(i));
+    for (int r = 0; r < ROWS; ++r) {
+      HW_UNROLL
+      for (int i = 0; i < ITEMS; ++i)
+        x[r][i] = hw::load_pack_if<T, VEC>(base + ((n0 + r) * stride_n + i * item_stride),
+                                           n0 + r < n_end && items.valid(i));
+    }
+  } else {
+    const T* row = base + n0 * stride_n;
+    HW_UNROLL
+    for (int r = 0; r < ROWS; ++r, row += stride_n) {
+      HW_UNROLL
+      for (int i = 0; i < ITEMS; ++i)
+        x[r][i] = hw::load_pack_if<T, VEC>(row + items.offset(i) * VEC, n0 + r < n_end && items.valid(i));
+    }
   }
 }
 
-// Runs stage(cur, n0) for n0 = 0, ROWS, 2 ROWS, ... < n_end, cur holding the position's
-// rows [n0, n0 + ROWS). With PREFETCH the next stage's loads are issued before each stage
-// runs, into the other of two register sets: the loop is unrolled by two so that the sets
-// alternate (no stage copies the prefetched rows, nor forms its address arithmetic
-// again). Without PREFETCH the next stage is loaded after the stage, into the same set.
+// Runs stage(cur, n0, half) for n0 = 0, ROWS, 2 ROWS, ... < n_end, cur holding the
+// position's rows [n0, n0 + ROWS) and half = (n0 / ROWS) % 2 naming the scratch half of
+// the stage's BlockSums call (consecutive stages alternate; the first stage of the next
+// position follows a barrier). With PREFETCH the next stage's loads are issued
+// before each stage runs, into the other of two register sets: the loop is unrolled by
+// two so that the sets alternate (no stage copies the prefetched rows, nor forms its
+// address arithmetic again), and half is a constant of each copy. Without PREFETCH the
+// next stage is loaded after the stage, into the same set.
 template <bool PREFETCH, typename T, int VEC, int ITEMS, int ROWS, class Items, class Stage>
 __device__ __forceinline__ void for_each_stage(const T* src, int64_t stride_n, int n_end, const Items& items,
                                                Stage&& stage) {
   hw::Pack<T, VEC> even[ROWS][ITEMS], odd[ROWS][ITEMS];
-  load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, 0, n_end, items, even);
+  const T* base = VEC > 1 ? src + threadIdx.x * VEC : src;  // see load_stage
+  load_stage<T, VEC, ITEMS, ROWS>(base, stride_n, 0, n_end, items, even);
   if constexpr (PREFETCH) {
     for (int n0 = 0; n0 < n_end; n0 += 2 * ROWS) {
-      load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + ROWS, n_end, items, odd);
-      stage(even, n0);
+      load_stage<T, VEC, ITEMS, ROWS>(base, stride_n, n0 + ROWS, n_end, items, odd);
+      stage(even, n0, 0);
       if (n0 + ROWS >= n_end) break;
-      load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + 2 * ROWS, n_end, items, even);
-      stage(odd, n0 + ROWS);
+      load_stage<T, VEC, ITEMS, ROWS>(base, stride_n, n0 + 2 * ROWS, n_end, items, even);
+      stage(odd, n0 + ROWS, 1);
     }
   } else {
     (void)odd;
-    for (int n0 = 0; n0 < n_end; n0 += ROWS) {
-      stage(even, n0);
-      if (n0 + ROWS < n_end) load_stage<T, VEC, ITEMS, ROWS>(src, stride_n, n0 + ROWS, n_end, items, even);
+    for (int n0 = 0, half = 0; n0 < n_end; n0 += ROWS, half ^= 1) {
+      stage(even, n0, half);
+      if (n0 + ROWS < n_end) load_stage<T, VEC, ITEMS, ROWS>(base, stride_n, n0 + ROWS, n_end, items, even);
     }
   }
 }
 
-// Block-wide sums of COUNT values with one __syncthreads per call; the scratch
-// (block_sums_floats(COUNT)) alternates halves by call parity as hw::BlockSum's does.
+// Block-wide sums of COUNT values with one __syncthreads per call. The scratch
+// (kBlockSumsFloats) has two halves and the caller names the call's half: consecutive
+// calls must alternate halves or have a barrier between them (a thread reaches the next
+// call's store only after every thread has passed this call's barrier, so the other
+// half is free; this half may still be being read).
 template <int COUNT>
 class BlockSums {
- public:
-  __device__ explicit BlockSums(float* scratch) : scratch_(scratch) {}
+  // Each value's warp sums meet in an aligned segment of kSegment lanes.
+  static_assert(COUNT == 1 || COUNT == 2, "a lane segment per value");
+  static constexpr int kSegment = 32 / COUNT;
+  static_assert(kMaxThreads / 32 <= kSegment, "a lane per warp sum");
 
-  __device__ void operator()(float (&v)[COUNT]) {
-    float* buf = scratch_ + (calls_++ & 1) * kBlockSumsPitch * COUNT;
+ public:
+  // Zeroes the slots past the block's warps, which no call stores to (so no store of a
+  // call races these); the first call's barrier orders them before any read.
+  __device__ explicit BlockSums(float* scratch) : scratch_(scratch) {
+    const int nwarps = blockDim.x >> 5;
+    for (int k = threadIdx.x; k < kBlockSumsFloats; k += blockDim.x)
+      if ((k & (kSegment - 1)) >= nwarps) scratch[k] = 0.f;
+  }
+
+  __device__ void operator()(float (&v)[COUNT], int half) const {
+    float* buf = scratch_ + half * 32;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     // The COUNT warp sums, spread over the lanes; each leader stores the ones it holds.
@@ -412,32 +443,20 @@ class BlockSums {
     HW_UNROLL
     for (int c = 0; c < COUNT; ++c) held[c] = v[c];
     hw::warp_sum_scatter(held);
-    hw::store_scattered_sums(held, [&](int c, float sum) { buf[c * kBlockSumsPitch + warp] = sum; });
+    hw::store_scattered_sums(held, [&](int c, float sum) { buf[c * kSegment + warp] = sum; });
     __syncthreads();
-    // Lane c adds value c's warp sums in warp order, four at a time (an LDS.128 each; the
-    // same sums as one at a time), and a shuffle hands each total to every lane. Lanes
-    // past the values redo value 0.
-    static_assert(COUNT <= 32, "a lane per value");
-    const int nwarps = blockDim.x >> 5;
-    const float* sums = buf + (lane < COUNT ? lane : 0) * kBlockSumsPitch;
-    float total = 0.f;
-    int w = 0;
-    HW_NO_UNROLL
-    for (; w + 4 <= nwarps; w += 4) {
-      float four[4];
-      hw::load_as_float<4>(sums + w, four);
-      HW_UNROLL
-      for (int k = 0; k < 4; ++k) total += four[k];
-    }
-    HW_NO_UNROLL
-    for (; w < nwarps; ++w) total += sums[w];
+    // Lane c kSegment + w reads warp w's sum of value c (0 past the block's warps: exact
+    // in the sums), the segment adds them by a butterfly (a fixed tree, the same in every
+    // lane), and a shuffle hands each total to every lane.
+    float s = buf[lane];
     HW_UNROLL
-    for (int c = 0; c < COUNT; ++c) v[c] = __shfl_sync(hw::kFullWarp, total, c);
+    for (int offset = kSegment / 2; offset > 0; offset >>= 1) s += __shfl_xor_sync(hw::kFullWarp, s, offset);
+    HW_UNROLL
+    for (int c = 0; c < COUNT; ++c) v[c] = __shfl_sync(hw::kFullWarp, s, c * kSegment);
   }
 
  private:
   float* scratch_;
-  unsigned calls_ = 0;
 };
 
 // Replaces each valid item's per-vector partial of COUNT values by its sum over the
@@ -571,7 +590,11 @@ class HeadSums {
 // with the running-max softmax (a rescale only in a stage that raises the head's max; an
 // odd N's last stage issues one row, not a zero row). The head's first thread keeps
 // the raw logits in smem; at the end each weight is written once, as
-// w[n,h] = exp(l[n,h] - max_h) / den_h, by threads over (n, h) (coalesced).
+// w[n,h] = exp(l[n,h] - max_h) / den_h, by threads over (n, h) (coalesced). The
+// exponentials are __expf (2^(x log2 e) by the SFU: 3 instructions where expf's range
+// reduction takes ~9; its error, 2 + floor(1.173 |x|) ulp in the CUDA programming guide,
+// is smallest for the weights near the max, which carry the sum; the emulated build's
+// __expf is expf).
 // Instructions per source element (the kernel issues, not HBM, set its pace at d = 4096:
 // bench/RESULTS.md): a stage unpacks each element once (bf16: a shift or a mask), and the
 // logit term is u * (q g) with u rounded two at a time (one cvt per pair), as the CPU
@@ -589,8 +612,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
 
   float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
   BlockSums<ROWS> block_sums(smem);
-  HeadSums<ITEMS, ROWS, MODE> head_sums(smem + block_sums_floats(ROWS), nvec, kv, heads);
-  float* pos_smem = smem + block_sums_floats(ROWS) + head_sums_floats(MODE, nvec, ROWS);
+  HeadSums<ITEMS, ROWS, MODE> head_sums(smem + kBlockSumsFloats, nvec, kv, heads);
+  float* pos_smem = smem + kBlockSumsFloats + head_sums_floats(MODE, nvec, ROWS);
   const int pos_floats = static_cast<int>(fwd_pos_floats(num_src, heads));
   float* slices = smem + fwd_slices_offset(MODE, nvec, ROWS, num_src, heads);
 
@@ -622,9 +645,10 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
       for (int k = 0; k < VEC; ++k) acc.set(i, k, 0.f);
     }
 
-    // One stage: the rows [n0, n0 + ROWS) of the position, in cur.
+    // One stage: the rows [n0, n0 + ROWS) of the position, in cur; its block sums use
+    // scratch half `half` (for_each_stage).
     using StageRows = hw::Pack<T, VEC>[ROWS][ITEMS];
-    auto stage = [&](StageRows& cur, int n0) {
+    auto stage = [&](StageRows& cur, int n0, int half) {
       // The stage with its first R rows present (R = ROWS, or the 1 row left of an odd N
       // when ROWS = 2): the absent row's unpack, sums and fold are not issued at all, and
       // its sums enter the block and head reductions as zeros.
@@ -652,7 +676,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
           }
           r[j] = ss;
         }
-        block_sums(r);
+        block_sums(r, half);
         HW_UNROLL
         for (int j = 0; j < R; ++j) r[j] = rsqrtf(r[j] * inv_d + p.route.eps);
 
@@ -690,7 +714,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
           float den = run_den[i];
           if (new_max > old_max) {
             if (old_max != -INFINITY) {
-              const float alpha = expf(old_max - new_max);
+              const float alpha = __expf(old_max - new_max);
               den *= alpha;
               HW_UNROLL
               for (int k = 0; k < VEC; ++k) acc.set(i, k, acc.get(i, k) * alpha);
@@ -700,7 +724,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
           float prob[R];
           HW_UNROLL
           for (int j = 0; j < R; ++j) {
-            prob[j] = expf(logit[j][i] - new_max);
+            prob[j] = __expf(logit[j][i] - new_max);
             den += prob[j];
           }
           HW_UNROLL
@@ -757,7 +781,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
     for (int e = tid; e < nh; e += nthreads) {
       const int n = e / heads;
       const int h = e - n * heads;
-      p.weights[(n * p.route.positions + pos) * heads + h] = expf(s_logit[e] - s_max[h]) * s_den[h];
+      p.weights[(n * p.route.positions + pos) * heads + h] = __expf(s_logit[e] - s_max[h]) * s_den[h];
     }
   }
 }
@@ -882,7 +906,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
       // Pass 1: a, b and the sum of squares of every row, per head; a stage has the rows
       // [n0, n0 + ROWS) in cur.
       using StageRows = hw::Pack<T, VEC>[ROWS][ITEMS];
-      auto pass1_stage = [&](StageRows& cur, int n0) {
+      auto pass1_stage = [&](StageRows& cur, int n0, int half) {
+        (void)half;  // HeadSums alternates its halves itself
         const int rows = num_src - n0 < ROWS ? num_src - n0 : ROWS;
         if (p.stage_rows) {
           HW_UNROLL
