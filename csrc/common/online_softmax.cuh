@@ -9,6 +9,22 @@
 
 namespace hw {
 
+// e^x as __expf forms it (2^(x log2 e) by the SFU) without its handling of results below
+// 2^-126, which are flushed to 0: an FMUL and a MUFU.EX2 (PTX ex2.approx.ftz.f32) where
+// __expf adds a compare and two predicated FMULs and expf's range reduction takes ~9.
+// Error as __expf's (2 + floor(1.173 |x|) ulp, CUDA programming guide) for results of
+// at least 2^-126. A softmax's weights below 2^-126 of its max are 0 in fp32 sums of
+// terms near 1 anyway. The emulated build uses expf.
+__device__ __forceinline__ float exp_ftz(float x) {
+#if HW_SIM
+  return expf(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+#endif
+}
+
 struct OnlineSoftmax {
   float max = -INFINITY;
   float den = 0.f;

@@ -55,6 +55,7 @@
 #pragma once
 
 #include "../common/block_reduce.cuh"
+#include "../common/online_softmax.cuh"
 #include "../common/simt_portability.h"
 #include "../common/unroll.h"
 #include "../common/vec.cuh"
@@ -591,10 +592,9 @@ class HeadSums {
 // odd N's last stage issues one row, not a zero row). The head's first thread keeps
 // the raw logits in smem; at the end each weight is written once, as
 // w[n,h] = exp(l[n,h] - max_h) / den_h, by threads over (n, h) (coalesced). The
-// exponentials are __expf (2^(x log2 e) by the SFU: 3 instructions where expf's range
-// reduction takes ~9; its error, 2 + floor(1.173 |x|) ulp in the CUDA programming guide,
-// is smallest for the weights near the max, which carry the sum; the emulated build's
-// __expf is expf).
+// exponentials are hw::exp_ftz (2 instructions where expf's range reduction takes ~9;
+// its error, 2 + floor(1.173 |x|) ulp, is smallest for the weights near the max, which
+// carry the sum; the emulated build's is expf).
 // Instructions per source element (the kernel issues, not HBM, set its pace at d = 4096:
 // bench/RESULTS.md): a stage unpacks each element once (bf16: a shift or a mask), and the
 // logit term is u * (q g) with u rounded two at a time (one cvt per pair), as the CPU
@@ -714,7 +714,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
           float den = run_den[i];
           if (new_max > old_max) {
             if (old_max != -INFINITY) {
-              const float alpha = __expf(old_max - new_max);
+              const float alpha = hw::exp_ftz(old_max - new_max);
               den *= alpha;
               HW_UNROLL
               for (int k = 0; k < VEC; ++k) acc.set(i, k, acc.get(i, k) * alpha);
@@ -724,7 +724,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
           float prob[R];
           HW_UNROLL
           for (int j = 0; j < R; ++j) {
-            prob[j] = __expf(logit[j][i] - new_max);
+            prob[j] = hw::exp_ftz(logit[j][i] - new_max);
             den += prob[j];
           }
           HW_UNROLL
@@ -781,7 +781,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
     for (int e = tid; e < nh; e += nthreads) {
       const int n = e / heads;
       const int h = e - n * heads;
-      p.weights[(n * p.route.positions + pos) * heads + h] = __expf(s_logit[e] - s_max[h]) * s_den[h];
+      p.weights[(n * p.route.positions + pos) * heads + h] = hw::exp_ftz(s_logit[e] - s_max[h]) * s_den[h];
     }
   }
 }
