@@ -436,7 +436,7 @@ class BlockSums {
   }
 
   __device__ void operator()(float (&v)[COUNT], int half) const {
-    float* buf = scratch_ + half * 32;
+    float* buf = scratch_ + half * (kBlockSumsFloats / 2);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     // The COUNT warp sums, spread over the lanes; each leader stores the ones it holds.
