@@ -499,30 +499,51 @@ class HeadSums {
         const int i = value % ITEMS;
         if (items.valid(i)) part[value / ITEMS * nw + (items.offset(i) >> 5)] = sum;
       });
-      const int lane = tid & 31;
       __syncthreads();
       const int chunks = kv_ >> 5;
-      if constexpr (kValues <= 32) {
-        // A head is whole warps, so item i lies in one head in every lane of the warp:
-        // lane c ITEMS + i adds the warp sums of value c of item i's head (in warp order)
-        // and a shuffle hands each sum to every lane. Lanes past the values redo value 0.
-        const int k = lane < kValues ? lane : 0;
-        const int c = k / ITEMS, i = k % ITEMS;
-        bool valid = false;
-        int head = 0;
-        if constexpr (Items::kCachedHeads) {
-          // Selected from the cached heads (an index by i would put them in local memory).
+      if constexpr (Items::kCachedHeads || kValues > 32) {
+        // Each thread adds its items' head sums (the vector layout, whose heads are
+        // cached, and the scalar layout's backward, 16 items x 3 values: more values
+        // than lanes). Item i lies in one head in every lane of the warp (a head is
+        // whole warps), so the reads are broadcasts, with no shuffle to hand sums out.
+        // With cached heads a head of 2 or 4 chunks reads its warp sums as one 8- or
+        // 16-byte vector (at head * chunks, a multiple of chunks, as are nw and half_),
+        // the chunk count chosen once a call; the sums are added in warp order.
+        auto add_head_sums = [&](auto chunks_constant) {
+          constexpr int kChunks = decltype(chunks_constant)::value;  // 0: chunks, at run time
           HW_UNROLL
-          for (int j = 0; j < ITEMS; ++j) {
-            if (j == i) {
-              valid = items.valid(j);
-              head = items.head(j);
+          for (int i = 0; i < ITEMS; ++i) {
+            if (!items.valid(i)) continue;
+            const int c0 = items.head(i) * chunks;
+            HW_UNROLL
+            for (int c = 0; c < COUNT; ++c) {
+              const float* sums = part + c * nw + c0;
+              float s = 0.f;
+              if constexpr (kChunks > 0) {
+                float w[kChunks];
+                hw::load_as_float<kChunks>(sums, w);
+                s = w[0];
+                for (int k = 1; k < kChunks; ++k) s += w[k];  // no pragma: 1 trip at kChunks = 2
+              } else {
+                HW_NO_UNROLL
+                for (const float* w = sums; w != sums + chunks; ++w) s += *w;
+              }
+              val[c][i] = s;
             }
           }
-        } else {
-          valid = items.valid(i);
-          head = items.head(i);
-        }
+        };
+        if (Items::kCachedHeads && chunks == 2) add_head_sums(std::integral_constant<int, 2>{});
+        else if (Items::kCachedHeads && chunks == 4) add_head_sums(std::integral_constant<int, 4>{});
+        else add_head_sums(std::integral_constant<int, 0>{});
+      } else {
+        // The scalar layout's forward (16 items x 2 values, heads not cached): lane
+        // c ITEMS + i adds the warp sums of value c of item i's head (in warp order) and
+        // a shuffle hands each sum to every lane. Lanes past the values redo value 0.
+        const int lane = tid & 31;
+        const int k = lane < kValues ? lane : 0;
+        const int c = k / ITEMS, i = k % ITEMS;
+        const bool valid = items.valid(i);
+        const int head = items.head(i);
         float s = 0.f;
         if (valid) {
           const float* sums = part + c * nw + head * chunks;
@@ -535,22 +556,6 @@ class HeadSums {
           for (int iv = 0; iv < ITEMS; ++iv) {
             const float total = __shfl_sync(hw::kFullWarp, s, cv * ITEMS + iv);
             if (items.valid(iv)) val[cv][iv] = total;
-          }
-        }
-      } else {
-        // More values than lanes (the scalar layout's backward: 16 items x 3 values):
-        // each thread adds its items' head sums.
-        HW_UNROLL
-        for (int i = 0; i < ITEMS; ++i) {
-          if (!items.valid(i)) continue;
-          const int c0 = items.head(i) * chunks;
-          HW_UNROLL
-          for (int c = 0; c < COUNT; ++c) {
-            const float* sums = part + c * nw + c0;
-            float s = 0.f;
-            HW_NO_UNROLL
-            for (const float* w = sums; w != sums + chunks; ++w) s += *w;
-            val[c][i] = s;
           }
         }
       }
