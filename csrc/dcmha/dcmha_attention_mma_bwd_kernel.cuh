@@ -16,15 +16,19 @@
 // forward through (a, b) and (c, d); D needs a whole row of keys before dL' exists.
 //
 // Design: per query chunk (rows [c0, c0 + chunk), the scratch [B G, 16, chunk, T] fp32 of
-// the 16 rank fields a b c d dc dd da db), seven launches, every T x S x d product on
+// the 16 rank fields a b c d dc dd da db), eight launches, every T x S x d product on
 // mma.sync m16n8k16 (the forward's 64 x 32 warp tiling, qk_tile and fragment_times_rows):
 //   1. dcmha_attn_partials (the forward's kernel): a, b, c, d of the chunk.
 //   2. dcmha_attn_bwd_sweep<Pre = false>: CTA per (32-key tile, 64-row query tile, b G);
 //      per key tile and head dP' = dO V^T on mma, dc and dd summed over the group's heads.
-//   3. dcmha_attn_bwd_rows<Dq = false>: CTA per (query tile, head, b); per key tile S and
-//      dP' on mma, P and dP on the fragments: D and the slot-2 weight grads, reduced over
-//      the keys in registers then across the quad (fixed order). D goes to the weights
-//      table (field kFieldD), which the later launches read like the other row fields.
+//   3. dcmha_attn_bwd_rows<Dq = false>: CTA per (key split, query tile, head, b), the
+//      tile's key band cut into kRowsumKeySplits runs of key tiles; per key tile S and
+//      dP' on mma, P and dP on the fragments: D and the slot-2 weight grads of the run,
+//      reduced over its keys in registers then across the quad (fixed order), stored per
+//      split. dcmha_attn_bwd_rowsum_combine adds the splits in split order: D goes to the
+//      weights table (field kFieldD), which the later launches read like the other row
+//      fields, the grads to the grads table. (One CTA per tile made 512 CTAs a launch at
+//      the target shape: 1.3 waves on sm_90's 396 slots; the splits make 3.9.)
 //   4. dcmha_attn_bwd_sweep<Pre = true>: S and dP' per head, dL': da and db.
 //   5. dcmha_attn_bwd_rows<Dq = true>: dL on the fragments, packed to A fragments,
 //      dq += dL K on mma (K by ldmatrix.trans); the slot-0 grads. dq staged through smem
@@ -53,7 +57,8 @@
 // dh <= 128 (68.6 ms of L2 time in the H200 ESTIMATE of bench/RESULTS.md, 0.21 s in all).
 // No tensor scales with T S: the scratch is B G 16 chunk T fp32 with chunk rows chosen
 // under kScratchBytes (256 MiB; 128 rows at B = 8, G = 1, T = 4096) but at least 64 (so
-// B G 4 KiB T where that is over the cap); dk, dv fp32 are O(B H T d), the tables O(B H T).
+// B G 4 KiB T where that is over the cap); dk, dv fp32 are O(B H T d), the tables O(B H T),
+// launch 3's split sums B H 3 6 chunk fp32 (0.8 MiB at the target).
 // Shared memory (the *_smem_bytes functions; ldq = dh_pad + 8, ldv = dv_pad + 8 elements), at
 // dh = dv = 128: the dL' sweep 111.2 KiB (double-buffered dO, V, Q, K tiles + the weights
 // of a query and a key tile), the dP' sweep 60.2 KiB, the row kernels 70.6 KiB, the key
@@ -72,6 +77,9 @@ namespace dcmha {
 constexpr int kPartA = 0, kPartB = 2, kPartC = 4, kPartD = 6, kPartDC = 8, kPartDD = 10, kPartDA = 12, kPartDB = 14;
 constexpr int kBwdPartFields = 16;
 constexpr int kQueryTileCols = 32;  // query rows per step of the key-tile kernels
+// Launch 3's key splits per query tile, and its per-split sums of a row: the 5 slot-2
+// grads, then D. A constant, so the order of D's sums depends on the shape only.
+constexpr int kRowsumKeySplits = 3, kRowsumFields = 6;
 
 struct MmaAttnBwdParams {
   MmaAttnParams m;   // q, k, v, stats, wt (kBwdWeightFields), partials (kBwdPartFields), chunk
@@ -81,6 +89,9 @@ struct MmaAttnBwdParams {
   float* dk;         // [B, H, T, dh] fp32, added to by every chunk (zeroed by the launcher)
   float* dv;         // [B, H, T, dv] fp32, likewise
   int key_tile0;     // 64-key tile of the key kernels' blockIdx.x = 0 (the first of the chunk's band)
+  float* rowsum_parts;  // [B H, kRowsumKeySplits, kRowsumFields, rowsum_pitch] fp32: launch 3's
+                        // per-split sums of the chunk's rows (row t at t - chunk0)
+  int rowsum_pitch;     // the chunk's rows rounded up to 32 (32-byte aligned row runs)
   float* gt;         // [B, H, 20, T] fp32 weight grads in the weights table's fields (W1, W2, G
                      // per slot): query slots written, key slots added to (zeroed); the
                      // launcher transposes it to dw1, dw2, dg (dcmha_attn_grads_untranspose)
@@ -376,15 +387,17 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_sweep(const MmaAtt
   hw::cp_async_wait<0>();
 }
 
-// Launches 3 (Dq = false: D, slot-2 grads) and 5 (Dq = true: dq, slot-0 grads): CTA per
-// (query tile of the chunk, head m, b). DTiles bounds dh_pad / 8.
+// Launches 3 (Dq = false: D, slot-2 grads, per key split) and 5 (Dq = true: dq, slot-0
+// grads): CTA per ([key split,] query tile of the chunk, head m, b). DTiles bounds dh_pad / 8.
 template <typename T, bool Dq, int DTiles>
 __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttnBwdParams bp) {
   const MmaAttnParams& mp = bp.m;
   const AttnParams& p = mp.f;
   const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.y, b = blockIdx.z;
   const int bg = b * (H / hg) + m / hg;
-  const int q0 = mp.chunk0 + blockIdx.x * kTileRows;
+  // Dq = false: blockIdx.x = split + kRowsumKeySplits * query tile (the splits of a tile adjacent).
+  const int split = Dq ? 0 : static_cast<int>(blockIdx.x % kRowsumKeySplits);
+  const int q0 = mp.chunk0 + static_cast<int>(Dq ? blockIdx.x : blockIdx.x / kRowsumKeySplits) * kTileRows;
   if (q0 >= TT) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
   const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8, dh_n8 = mp.dh_pad / 8;
@@ -415,8 +428,10 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
 
   int lo, hi;
   key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
-  const int kt_lo = lo / kTileKeys, kt_hi = (hi + kTileKeys - 1) / kTileKeys;
-  const int n_tiles = kt_hi - kt_lo;
+  const int band_lo = lo / kTileKeys, band_tiles = (hi + kTileKeys - 1) / kTileKeys - band_lo;
+  // Dq = false: the split's run of the band's key tiles (empty runs store zeros).
+  const int kt_lo = Dq ? band_lo : band_lo + band_tiles * split / kRowsumKeySplits;
+  const int n_tiles = Dq ? band_tiles : band_lo + band_tiles * (split + 1) / kRowsumKeySplits - kt_lo;
 
   load_rows(qs, static_cast<const T*>(p.q) + head * TT * p.dh, q0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
   load_rows(os, static_cast<const T*>(bp.dout) + head * TT * p.dv, q0, kTileRows, TT, p.dv, mp.dv_pad, mp.vec16);
@@ -491,8 +506,14 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
     for (int i = 0; i < (Dq ? 5 : 6); ++i) acc[h][i] = quad_sum(acc[h][i]);
     const int t = q0 + warp * 16 + gq + 8 * h;
     if (tq == 0 && t < TT) {
-      put_slot_grads<false>(bp, head, t, Dq ? 0 : 2, acc[h]);
-      if (!Dq) bp.wt[(head * mp.wfields + kFieldD) * TT + t] = acc[h][5];
+      if (Dq) {
+        put_slot_grads<false>(bp, head, t, 0, acc[h]);
+      } else {
+        float* dst = bp.rowsum_parts + (head * kRowsumKeySplits + split) * kRowsumFields * bp.rowsum_pitch +
+                     (t - mp.chunk0);
+#pragma unroll
+        for (int i = 0; i < kRowsumFields; ++i) dst[i * bp.rowsum_pitch] = acc[h][i];
+      }
     }
   }
   if (Dq) {
@@ -500,6 +521,27 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
     store_row_tile<T>(o, qs, ldq, dh_n8, static_cast<T*>(bp.dq) + head * TT * p.dh, q0, TT, p.dh, mp.vec16, warp,
                       lane);
   }
+}
+
+// Launch 3's combine: a thread per (row t of the chunk, head m = blockIdx.y, b = blockIdx.z)
+// adds the row's kRowsumKeySplits sums in split order (bitwise repeatable, no atomics) and
+// stores D in the weights table, the slot-2 grads in the grads table. Consecutive threads
+// take consecutive rows: every load and store is a warp's 32 consecutive floats.
+__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rowsum_combine(const MmaAttnBwdParams bp) {
+  const MmaAttnParams& mp = bp.m;
+  const int r = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), t = mp.chunk0 + r;
+  if (r >= mp.chunk || t >= mp.f.T) return;
+  const int64_t head = static_cast<int64_t>(blockIdx.z) * mp.f.H + blockIdx.y;
+  const float* src = bp.rowsum_parts + head * kRowsumKeySplits * kRowsumFields * bp.rowsum_pitch + r;
+  float acc[kRowsumFields];
+#pragma unroll
+  for (int i = 0; i < kRowsumFields; ++i) acc[i] = src[i * bp.rowsum_pitch];
+#pragma unroll
+  for (int split = 1; split < kRowsumKeySplits; ++split)
+#pragma unroll
+    for (int i = 0; i < kRowsumFields; ++i) acc[i] += src[(split * kRowsumFields + i) * bp.rowsum_pitch];
+  put_slot_grads<false>(bp, head, t, 2, acc);
+  bp.wt[(head * mp.wfields + kFieldD) * mp.f.T + t] = acc[5];
 }
 
 // Launches 6 (Dk = false: dv, slot-3 grads) and 7 (Dk = true: dk, slot-1 grads): CTA per

@@ -246,7 +246,7 @@ inline bool mma_backward_fits(const AttnParams& p, at::ScalarType dtype, int dh_
 }
 
 // The tensor-core backward (dcmha_attention_mma_bwd_kernel.cuh): the weights table with
-// the row statistics, then per query chunk the seven launches. dq is written; dk, dv are
+// the row statistics, then per query chunk the eight launches. dq is written; dk, dv are
 // accumulated in fp32 and converted; the weight grads go through the grads table to dw1,
 // dw2, dg (fp32, every element written).
 inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor& q, const at::Tensor& k,
@@ -264,6 +264,8 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   at::Tensor partials = at::zeros({p.B * groups, kBwdPartFields, chunk, p.T}, fopt);
   at::Tensor dk32 = at::zeros(k.sizes(), fopt), dv32 = at::zeros(v.sizes(), fopt);
   at::Tensor gt = at::zeros({p.B, p.H, kWeightFields, p.T}, fopt);
+  const int64_t rowsum_pitch = (std::min<int64_t>(chunk, p.T) + 31) / 32 * 32;
+  at::Tensor rowsum_parts = at::empty({p.B * p.H, kRowsumKeySplits, kRowsumFields, rowsum_pitch}, fopt);
   MmaAttnBwdParams bp{};
   bp.m.f = p;
   bp.m.wt = wt.data_ptr<float>();
@@ -281,6 +283,8 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   bp.dk = dk32.data_ptr<float>();
   bp.dv = dv32.data_ptr<float>();
   bp.gt = gt.data_ptr<float>();
+  bp.rowsum_parts = rowsum_parts.data_ptr<float>();
+  bp.rowsum_pitch = static_cast<int>(rowsum_pitch);
   const size_t wt_smem = static_cast<size_t>(kWeightFields) * p.H * 33 * sizeof(float);
   const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad));
   const size_t post_smem = static_cast<size_t>(bwd_sweep_smem_bytes(false, dh_pad, dv_pad));
@@ -317,9 +321,13 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
         const unsigned splits = band_key_blocks(p, c0, chunk, kSweepSplitKeys, bp.m.split0);
         const unsigned key_tiles = band_key_blocks(p, c0, chunk, kTileRows, bp.key_tile0);
         const dim3 sweep_grid(splits, tiles, bg), rows_grid(tiles, H, B), keys_grid(key_tiles, H, B);
+        const dim3 rowsum_grid(tiles * kRowsumKeySplits, H, B),
+            combine_grid(static_cast<unsigned>((tiles * kTileRows + kMmaThreads - 1) / kMmaThreads), H, B);
         HW_LAUNCH("dcmha_attn_partials", kp, sweep_grid, dim3(kMmaThreads), loop_smem, bp.m);
         HW_LAUNCH("dcmha_attn_bwd_dpost", k_post, sweep_grid, dim3(kMmaThreads), post_smem, bp);
-        HW_LAUNCH("dcmha_attn_bwd_rowsum", k_rowsum, rows_grid, dim3(kMmaThreads), rows_smem, bp);
+        HW_LAUNCH("dcmha_attn_bwd_rowsum", k_rowsum, rowsum_grid, dim3(kMmaThreads), rows_smem, bp);
+        HW_LAUNCH("dcmha_attn_bwd_rowsum_combine", dcmha_attn_bwd_rowsum_combine, combine_grid, dim3(kMmaThreads), 0,
+                  bp);
         HW_LAUNCH("dcmha_attn_bwd_dpre", k_pre, sweep_grid, dim3(kMmaThreads), pre_smem, bp);
         HW_LAUNCH("dcmha_attn_bwd_dq", k_dq, rows_grid, dim3(kMmaThreads), rows_smem, bp);
         HW_LAUNCH("dcmha_attn_bwd_dv", k_dv, keys_grid, dim3(kMmaThreads), keys_smem, bp);

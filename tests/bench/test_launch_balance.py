@@ -47,8 +47,8 @@ def test_the_backward_cases_count_each_kernels_work_alike_before_and_now():
     cases = lb.backward_cases(batch=batch, heads=heads, seq=seq, chunk=128)
     tiles = seq // 64
     for kernel in lb.BACKWARD_KERNELS:
-        before, now = (sum(sum(w) for w in cases[n][kernel]) for n in ("before", "now"))
-        assert before == now, kernel
+        before, key_tiles, now = (sum(sum(w) for w in cases[n][kernel]) for n in ("before", "tiles", "now"))
+        assert before == key_tiles == (0 if kernel.endswith("combine") else now), kernel
         assert len(cases["now"][kernel]) == seq // 128
     # A sweep's key tiles of a causal band: 2 (i + 1) per query tile i and b (heads looped
     # inside the CTA); a row kernel's the same per head; the now-sweeps hold one tile a CTA.
@@ -56,6 +56,10 @@ def test_the_backward_cases_count_each_kernels_work_alike_before_and_now():
     assert sum(sum(w) for w in cases["now"]["dcmha_attn_bwd_dpre"]) == band
     assert max(max(w) for w in cases["now"]["dcmha_attn_bwd_dpre"]) == 1
     assert sum(sum(w) for w in cases["now"]["dcmha_attn_bwd_rowsum"]) == heads * band
+    # The rowsum's key splits: a tile's 2 (i + 1) key tiles in 3 runs; the combine a CTA
+    # per (128 rows, head, b) of each chunk.
+    assert sorted(cases["now"]["dcmha_attn_bwd_rowsum"][0]) == sorted([1, 1, 1, 1, 2] * batch * heads)
+    assert cases["now"]["dcmha_attn_bwd_rowsum_combine"] == [[1] * batch * heads] * (seq // 128)
     # A key kernel's 32-row query steps: per 64-key tile j the rows t >= 64 j of each chunk.
     steps = sum(-(-(c0 + 128 - max(c0, 64 * j)) // 32) for c0 in range(0, seq, 128) for j in range(tiles)
                 if c0 + 128 > 64 * j)

@@ -250,8 +250,10 @@ def test_sim_tensor_core_scratch_is_bounded_by_the_query_chunk(monkeypatch):
 # dS, dP' and P' are rounded to the input dtype for the dq / dk / dv products, as in flash
 # attention's backward.
 MMA_BWD_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
-TC_BACKWARD_KERNELS = {"dcmha_attn_partials", "dcmha_attn_bwd_dpost", "dcmha_attn_bwd_rowsum", "dcmha_attn_bwd_dpre",
-                       "dcmha_attn_bwd_dq", "dcmha_attn_bwd_dv", "dcmha_attn_bwd_dk", "dcmha_attn_grads_untranspose"}
+TC_BACKWARD_KERNELS = {"dcmha_attn_partials", "dcmha_attn_bwd_dpost", "dcmha_attn_bwd_rowsum",
+                       "dcmha_attn_bwd_rowsum_combine", "dcmha_attn_bwd_dpre", "dcmha_attn_bwd_dq", "dcmha_attn_bwd_dv",
+                       "dcmha_attn_bwd_dk", "dcmha_attn_grads_untranspose"}
+TC_BACKWARD_NO_MMA = {"dcmha_attn_bwd_rowsum_combine", "dcmha_attn_grads_untranspose"}
 
 
 def _forward_backward(fn, q, k, v, w, grad, kw):
@@ -300,7 +302,7 @@ def test_sim_tensor_core_backward_runs_on_mma_with_coalesced_accesses():
     assert TC_BACKWARD_KERNELS <= names, names
     assert not names & {"dcmha_attention_bwd_query", "dcmha_attention_bwd_key"}
     for r in recs:
-        if r["kernel"] in TC_BACKWARD_KERNELS - {"dcmha_attn_grads_untranspose"}:
+        if r["kernel"] in TC_BACKWARD_KERNELS - TC_BACKWARD_NO_MMA:
             assert r["mma"] > 0, r["kernel"]
         if r["kernel"] in TC_BACKWARD_KERNELS:
             for kind in ("global_load_sectors", "global_store_sectors"):
@@ -329,7 +331,8 @@ def test_sim_tensor_core_backward_query_chunks(monkeypatch, case):
 def test_sim_tensor_core_grids_hold_only_the_chunks_key_band(monkeypatch):
     """Per 64-row query chunk, the sweeps' grids (a CTA per 32-key block) and the key
     kernels' (a CTA per 64-key tile) start at the chunk's first key and end at its last:
-    causal with a window, the blocks outside the band are not launched."""
+    causal with a window, the blocks outside the band are not launched. The rowsum runs
+    3 key splits of the chunk's query tile, its combine a CTA per 128 rows."""
     import importlib.util
 
     if importlib.util.find_spec("headwise._sim_profile") is None:
@@ -358,6 +361,8 @@ def test_sim_tensor_core_grids_hold_only_the_chunks_key_band(monkeypatch):
     assert grids["dcmha_attn_partials"] == blocks(32) * 2  # the forward's, then the backward's
     assert grids["dcmha_attn_bwd_dpost"] == grids["dcmha_attn_bwd_dpre"] == blocks(32)
     assert grids["dcmha_attn_bwd_dv"] == grids["dcmha_attn_bwd_dk"] == blocks(64)
+    assert grids["dcmha_attn_bwd_rowsum"] == [3] * len(blocks(32))
+    assert grids["dcmha_attn_bwd_rowsum_combine"] == grids["dcmha_attn_bwd_dq"] == [1] * len(blocks(32))
     assert blocks(32)[-1] < -(-t // 32) and blocks(64)[-1] < -(-t // 64)  # the window cut the last chunk's
 
 

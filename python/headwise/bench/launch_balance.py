@@ -24,12 +24,13 @@ at the target shape, B = 8, one group of H = 32 heads, T = 4096 causal, 64-row q
 - the partials sweep (2 CTAs per sm_90 SM), a launch per query chunk because its scratch
   (B G 8 chunk T fp32) bounds the chunk (256 rows under the 256 MiB cap), with CTAs of
   256-key splits (before) or of one 32-key tile (now), and larger chunks (a larger cap);
-- the backward's seven launches per 128-row query chunk (its scratch has 16 fields), each
+- the backward's eight launches per 128-row query chunk (its scratch has 16 fields), each
   at its CTAs per SM from the emulator's profile JSON, weighted by the profile's estimate
   of the kernel (which spreads its work evenly): the sweeps (partials, dP', dL') with CTAs
-  of 256-key splits (before) or of one key tile (now), the row kernels (rowsum, dq) a CTA
-  per (query tile, head, b) over the band, the key kernels (dv, dk) a CTA per (64-key
-  tile, head, b) over the chunk's 32-row query steps in its band.
+  of 256-key splits (before) or of one key tile (tiles, now), the row kernels (rowsum, dq)
+  a CTA per (query tile, head, b) over the band, the rowsum's band cut into 3 key splits
+  (now) with their combine after it, the key kernels (dv, dk) a CTA per (64-key tile,
+  head, b) over the chunk's 32-row query steps in its band.
 """
 
 from __future__ import annotations
@@ -101,10 +102,17 @@ def partials_cases(batch: int = 8, seq: int = 4096) -> dict[str, list[list[int]]
             for rows in (256, 1024) for keys in (256, 32)}
 
 
-def row_ctas(rows: range, batch: int, heads: int, tile_rows: int = 64, key_tile: int = 32) -> list[int]:
-    """Key tiles of each (query tile, head, b) CTA of a causal row kernel over `rows`."""
-    return [(q0 + tile_rows) // key_tile for _ in range(batch) for _ in range(heads)
-            for q0 in range(rows.start, rows.stop, tile_rows)]
+def row_ctas(rows: range, batch: int, heads: int, tile_rows: int = 64, key_tile: int = 32, splits: int = 1) -> list[int]:
+    """Key tiles of each non-empty (key split, query tile, head, b) CTA of a causal row
+    kernel over `rows`: split i of a tile's n key tiles holds n (i + 1) // splits - n i // splits
+    of them (dcmha_attn_bwd_rows; its empty splits store zeros and are left out here)."""
+    works = []
+    for _ in range(batch):
+        for _ in range(heads):
+            for q0 in range(rows.start, rows.stop, tile_rows):
+                n = (q0 + tile_rows) // key_tile
+                works += [w for i in range(splits) if (w := n * (i + 1) // splits - n * i // splits) > 0]
+    return works
 
 
 def key_ctas(rows: range, batch: int, heads: int, seq: int, key_rows: int = 64, step: int = 32) -> list[int]:
@@ -120,27 +128,36 @@ def key_ctas(rows: range, batch: int, heads: int, seq: int, key_rows: int = 64, 
     return works
 
 
-BACKWARD_KERNELS = ("dcmha_attn_partials", "dcmha_attn_bwd_dpost", "dcmha_attn_bwd_rowsum", "dcmha_attn_bwd_dpre",
-                    "dcmha_attn_bwd_dq", "dcmha_attn_bwd_dv", "dcmha_attn_bwd_dk")
+BACKWARD_KERNELS = ("dcmha_attn_partials", "dcmha_attn_bwd_dpost", "dcmha_attn_bwd_rowsum",
+                    "dcmha_attn_bwd_rowsum_combine", "dcmha_attn_bwd_dpre", "dcmha_attn_bwd_dq", "dcmha_attn_bwd_dv",
+                    "dcmha_attn_bwd_dk")
+ROWSUM_KEY_SPLITS = 3  # kRowsumKeySplits (dcmha_attention_mma_bwd_kernel.cuh)
 
 
 def backward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int = 128) -> dict[str, dict[str, list]]:
-    """Per backward kernel, its launches (one per query chunk) with sweep CTAs of 256-key
-    splits (before) and of one key tile (now); the other kernels are the same in both."""
+    """Per backward kernel, its launches (one per query chunk): "before" with sweep CTAs of
+    256-key splits and a rowsum CTA per query tile, "tiles" with sweep CTAs of one key tile,
+    "now" with those and the rowsum's tiles cut into ROWSUM_KEY_SPLITS key splits (its
+    combine, a CTA per 128 rows of the chunk and head, then runs; before, the rowsum did it)."""
     chunks = [range(c0, min(c0 + chunk, seq)) for c0 in range(0, seq, chunk)]
     rows = [row_ctas(c, batch, heads) for c in chunks]
+    split_rows = [row_ctas(c, batch, heads, splits=ROWSUM_KEY_SPLITS) for c in chunks]
+    combine = [[1] * (batch * heads * -(-len(c) // 128)) for c in chunks]
     keys = [key_ctas(c, batch, heads, seq) for c in chunks]
     cases = {}
-    for name, split in (("before", 256), ("now", 32)):
+    for name, split, rowsum in (("before", 256, rows), ("tiles", 32, rows), ("now", 32, split_rows)):
         sweep = [split_ctas(c, batch, split_keys=split) for c in chunks]
-        cases[name] = {k: sweep if k.endswith(("partials", "dpost", "dpre")) else rows if k.endswith(("rowsum", "dq"))
+        cases[name] = {k: sweep if k.endswith(("partials", "dpost", "dpre")) else rowsum if k.endswith("rowsum")
+                       else (combine if name == "now" else []) if k.endswith("combine") else rows if k.endswith("dq")
                        else keys for k in BACKWARD_KERNELS}
     return cases
 
 
 def span_ratio(launches: list[list[int]], slots: int, cap: float) -> float:
-    """Makespan of the launches, one after another, over their balanced time."""
-    return sum(makespan(w, slots, cap) for w in launches) / (sum(sum(w) for w in launches) / SMS)
+    """Makespan of the launches, one after another, over their balanced time (0 where a
+    case does not launch the kernel)."""
+    work = sum(sum(w) for w in launches)
+    return sum(makespan(w, slots, cap) for w in launches) / (work / SMS) if work else 0.0
 
 
 def backward_table(estimates: str) -> list[str]:
@@ -152,15 +169,15 @@ def backward_table(estimates: str) -> list[str]:
                if t["op_key"] == "dcmha" and t["phase"] == "bwd" and t["kernel"] in BACKWARD_KERNELS]
     est = {t["kernel"]: (t["est_us"] / 1e3, int(t["ctas_per_sm"])) for t in targets}
     cases = backward_cases()
-    lines = [f"{'kernel':<24}{'CTAs/SM':>8}{'est ms':>8}" + "".join(f"{f'{n}, cap {c}':>20}" for n in cases
+    lines = [f"{'kernel':<32}{'CTAs/SM':>8}{'est ms':>8}" + "".join(f"{f'{n}, cap {c}':>20}" for n in cases
                                                                    for c in ("1/slots", "1"))]
-    totals = [0.0] * 4
+    totals = [0.0] * (2 * len(cases))
     for k in BACKWARD_KERNELS:
-        ms, slots = est[k]
+        ms, slots = est.get(k, (0.0, 1))  # a profile from before a kernel existed has no row of it
         spans = [span_ratio(cases[n][k], slots, cap) for n in cases for cap in (1 / slots, 1.0)]
         totals = [a + ms * x for a, x in zip(totals, spans)]
-        lines.append(f"{k:<24}{slots:>8}{ms:>8.2f}" + "".join(f"{x:>19.2f}x" for x in spans))
-    lines.append(f"{'weighted (ms)':<24}{'':>8}{sum(m for m, _ in est.values()):>8.2f}"
+        lines.append(f"{k:<32}{slots:>8}{ms:>8.2f}" + "".join(f"{x:>19.2f}x" for x in spans))
+    lines.append(f"{'weighted (ms)':<32}{'':>8}{sum(m for m, _ in est.values()):>8.2f}"
                  + "".join(f"{x:>20.1f}" for x in totals))
     return lines
 

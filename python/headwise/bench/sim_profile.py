@@ -371,6 +371,7 @@ def _attention_flops(s):
                     "dcmha_attn_partials": pairs * COMPOSE_FLOPS, "dcmha_attn_output": pairs * 4 * s["dh"]},
             "bwd": {"dcmha_attn_weights_t": 0, "dcmha_attn_partials": pairs * COMPOSE_FLOPS,
                     "dcmha_attn_bwd_dpost": pairs * 4, "dcmha_attn_bwd_rowsum": pairs * COMPOSE_FLOPS,
+                    "dcmha_attn_bwd_rowsum_combine": 0,
                     "dcmha_attn_bwd_dpre": pairs * COMPOSE_FLOPS, "dcmha_attn_bwd_dq": pairs * 2 * s["dh"],
                     "dcmha_attn_bwd_dv": pairs * 2 * s["dh"], "dcmha_attn_bwd_dk": pairs * 2 * s["dh"]}}
 
