@@ -97,6 +97,12 @@ struct MmaAttnBwdParams {
                      // launcher transposes it to dw1, dw2, dg (dcmha_attn_grads_untranspose)
 };
 
+// Launch 3's sums of split `split` of (b, head m) = `head`: field i of chunk row r at
+// [i * rowsum_pitch + r]. The row kernel stores them, the combine reads them.
+__device__ __forceinline__ float* rowsum_parts_of(const MmaAttnBwdParams& bp, int64_t head, int split) {
+  return bp.rowsum_parts + (head * kRowsumKeySplits + split) * kRowsumFields * bp.rowsum_pitch;
+}
+
 // A side held in shared memory: field f of column c at p[f * pitch].
 struct SmemSide {
   const float* p;
@@ -509,8 +515,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
       if (Dq) {
         put_slot_grads<false>(bp, head, t, 0, acc[h]);
       } else {
-        float* dst = bp.rowsum_parts + (head * kRowsumKeySplits + split) * kRowsumFields * bp.rowsum_pitch +
-                     (t - mp.chunk0);
+        float* dst = rowsum_parts_of(bp, head, split) + (t - mp.chunk0);
 #pragma unroll
         for (int i = 0; i < kRowsumFields; ++i) dst[i * bp.rowsum_pitch] = acc[h][i];
       }
@@ -532,14 +537,15 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rowsum_combine(con
   const int r = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), t = mp.chunk0 + r;
   if (r >= mp.chunk || t >= mp.f.T) return;
   const int64_t head = static_cast<int64_t>(blockIdx.z) * mp.f.H + blockIdx.y;
-  const float* src = bp.rowsum_parts + head * kRowsumKeySplits * kRowsumFields * bp.rowsum_pitch + r;
   float acc[kRowsumFields];
 #pragma unroll
-  for (int i = 0; i < kRowsumFields; ++i) acc[i] = src[i * bp.rowsum_pitch];
+  for (int i = 0; i < kRowsumFields; ++i) acc[i] = rowsum_parts_of(bp, head, 0)[i * bp.rowsum_pitch + r];
 #pragma unroll
-  for (int split = 1; split < kRowsumKeySplits; ++split)
+  for (int split = 1; split < kRowsumKeySplits; ++split) {
+    const float* src = rowsum_parts_of(bp, head, split) + r;
 #pragma unroll
-    for (int i = 0; i < kRowsumFields; ++i) acc[i] += src[(split * kRowsumFields + i) * bp.rowsum_pitch];
+    for (int i = 0; i < kRowsumFields; ++i) acc[i] += src[i * bp.rowsum_pitch];
+  }
   put_slot_grads<false>(bp, head, t, 2, acc);
   bp.wt[(head * mp.wfields + kFieldD) * mp.f.T + t] = acc[5];
 }
