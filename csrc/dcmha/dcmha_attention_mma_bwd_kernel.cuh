@@ -16,7 +16,7 @@
 // forward through (a, b) and (c, d); D needs a whole row of keys before dL' exists.
 //
 // Design: per query chunk (rows [c0, c0 + chunk), the scratch [B G, 16, chunk, T] fp32 of
-// the 16 rank fields a b c d dc dd da db), eight launches, every T x S x d product on
+// the 16 rank fields a b c d dc dd da db), seven launches, every T x S x d product on
 // mma.sync m16n8k16 (the forward's 64 x 32 warp tiling, qk_tile and fragment_times_rows):
 //   1. dcmha_attn_partials (the forward's kernel): a, b, c, d of the chunk.
 //   2. dcmha_attn_bwd_sweep<Pre = false>: CTA per (32-key tile, 64-row query tile, b G);
@@ -33,13 +33,13 @@
 //   5. dcmha_attn_bwd_rows<Dq = true>: dL on the fragments, packed to A fragments,
 //      dq += dL K on mma (K by ldmatrix.trans); the slot-0 grads. dq staged through smem
 //      and stored in 16-byte chunks (every query row lives in one chunk: written once).
-//   6. dcmha_attn_bwd_keys<Dk = false>: CTA per (64-key tile, head, b), the roles of rows
+//   6. dcmha_attn_bwd_keys: CTA of 8 warps per (64-key tile, head, b), the roles of rows
 //      and columns swapped (S^T = K Q^T and dP'^T = V dO^T on mma, the 32 query columns of
-//      the chunk's tiles looped): P' on the fragments, dv += P'^T dO on mma; slot-3 grads.
-//   7. dcmha_attn_bwd_keys<Dk = true>: S^T, dP'^T, dL^T: dk += dL^T Q, the slot-1 grads
-//      (slots 1 and 3 split between 6 and 7: one kernel with both spilled at 255 registers).
-//      dk, dv and the key-slot grads are fp32 buffers that each chunk adds to in launch
-//      order (bitwise repeatable, no atomics); the launcher converts dk, dv.
+//      the chunk's tiles looped, each warp 16 keys x 16 queries): P' and dL^T on the
+//      fragments, staged to smem as T, then dv += P'^T dO and dk += dL^T Q on mma (each
+//      warp 16 keys x half the columns); the slot-1 and slot-3 grads. dk, dv and the
+//      key-slot grads are fp32 buffers that each chunk adds to in launch order (bitwise
+//      repeatable, no atomics); the launcher converts dk, dv.
 // Around the chunks: dcmha_attn_weights_t builds the weights table [B, H, 23, T] (the 20
 // weight fields, then M, 1/Z from the forward's statistics and D from launch 3), and
 // dcmha_attn_grads_untranspose turns the grads table [B, H, 20, T] (written with t or s
@@ -50,11 +50,11 @@
 // smem with the tiles they belong to, or into registers for the CTA's own rows.
 //
 // Budget per kept (t, s) and head (d = dh = dv): tensor FLOPs 2 d per product; products
-// per launch 2, 2, 1 (dP'), 2, 3 (+ dq), 3 (S, dP', dv), 3 (S, dP', dk) + the partials' 2
-// (S twice) = 16 products = 32 d FLOPs against flash attention's backward 5 products (10 d): 3.2x.
-// Bytes: the scratch (64 B per (t, s) and group) is read per head by launches 3-7 (32-48 B
-// each) from L2: 0.69 TB at B = 8, H = 32, T = 4096 causal, the term that dominates at
-// dh <= 128 (68.6 ms of L2 time in the H200 ESTIMATE of bench/RESULTS.md, 0.21 s in all).
+// per launch: 1 partials 2 (S twice), 2 dP' 1, 3 (S, dP') 2, 4 (S, dP') 2, 5 (S, dP', dq) 3,
+// 6 (S, dP', dv, dk) 4 = 14 products = 28 d FLOPs against flash attention's backward 5
+// products (10 d): 2.8x.
+// Bytes: the scratch (64 B per (t, s) and group) is read per head by launches 3-6 (32-64 B
+// each) from L2, the term that bounds the backward at dh <= 128 (bench/RESULTS.md).
 // No tensor scales with T S: the scratch is B G 16 chunk T fp32 with chunk rows chosen
 // under kScratchBytes (256 MiB; 128 rows at B = 8, G = 1, T = 4096) but at least 64 (so
 // B G 4 KiB T where that is over the cap); dk, dv fp32 are O(B H T d), the tables O(B H T),
@@ -62,7 +62,7 @@
 // Shared memory (the *_smem_bytes functions; ldq = dh_pad + 8, ldv = dv_pad + 8 elements), at
 // dh = dv = 128: the dL' sweep 111.2 KiB (double-buffered dO, V, Q, K tiles + the weights
 // of a query and a key tile), the dP' sweep 60.2 KiB, the row kernels 70.6 KiB, the key
-// kernels 73.9 KiB: sm_80 / sm_90 (163 / 227 KiB); the 99 KiB parts take the SIMT backward
+// kernel 86.4 KiB: sm_80 / sm_90 (163 / 227 KiB); the 99 KiB parts take the SIMT backward
 // at that size.
 #pragma once
 
@@ -77,6 +77,14 @@ namespace dcmha {
 constexpr int kPartA = 0, kPartB = 2, kPartC = 4, kPartD = 6, kPartDC = 8, kPartDD = 10, kPartDA = 12, kPartDB = 14;
 constexpr int kBwdPartFields = 16;
 constexpr int kQueryTileCols = 32;  // query rows per step of the key-tile kernels
+// The key kernel's warps (4 key slabs x 2 halves), its query columns per warp's score
+// fragments, and the pitch (elements) of its P'^T, dL^T tiles: 80-byte rows, so that the
+// fragment stores and the ldmatrix reads are conflict-free.
+constexpr int kKeyWarps = 8;
+constexpr int kKeyThreads = 32 * kKeyWarps;
+constexpr int kKeyHalfN8 = kQueryTileCols / 16;
+constexpr int kGradPitch = kQueryTileCols + 8;
+constexpr int kKeySlotGrads = 20;  // a thread's slot-1 and slot-3 grads of its 2 rows
 // Launch 3's key splits per query tile, and its per-split sums of a row: the 5 slot-2
 // grads, then D. A constant, so the order of D's sums depends on the shape only.
 constexpr int kRowsumKeySplits = 3, kRowsumFields = 6;
@@ -239,7 +247,9 @@ __host__ __device__ inline int64_t bwd_rows_smem_bytes(int dh_pad, int dv_pad) {
 __host__ __device__ inline int64_t bwd_keys_smem_bytes(int dh_pad, int dv_pad) {
   const int64_t ldq = dh_pad + 8, ldv = dv_pad + 8;
   return int64_t(kTileRows) * (ldq + ldv) * 2 + int64_t(2) * kQueryTileCols * (ldq + ldv) * 2 +
-         int64_t(4) * (2 * kQuerySide * (kQueryTileCols + 1) + kKeySide * kRowPitch);
+         int64_t(2) * kTileRows * kGradPitch * 2 +
+         int64_t(4) * (2 * kQuerySide * (kQueryTileCols + 1) + kKeySide * kRowPitch +
+                       kTileRows * kKeySlotGrads / 2 + kKeyThreads * kKeySlotGrads);
 }
 
 // Launches 2 and 4: CTA per (kSweepSplitKeys keys, query tile of the chunk, b * G), like
@@ -550,12 +560,35 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rowsum_combine(con
   bp.wt[(head * mp.wfields + kFieldD) * mp.f.T + t] = acc[5];
 }
 
-// Launches 6 (Dk = false: dv, slot-3 grads) and 7 (Dk = true: dk, slot-1 grads): CTA per
-// (64-key tile of the chunk's key band, head m, b), looping the chunk's 32-row query tiles
-// that read its keys. Rows of the fragments are keys s, columns queries t. DTiles bounds
-// dv_pad / 8 (dh_pad / 8 for dk).
-template <typename T, bool Dk, int DTiles>
-__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_keys(const MmaAttnBwdParams bp) {
+// Launch 6: CTA per (64-key tile of the chunk's key band, head m, b), kKeyWarps warps,
+// looping the chunk's 32-row query tiles that read its keys. Rows of the fragments are
+// keys s, columns queries t. Per query tile, warp w (key slab ks = w % 4: keys 16 ks..;
+// half hf = w / 4):
+//   1. S^T = K Q^T and dP'^T = V dO^T of its 16 keys x the 16 queries 16 hf.. on mma;
+//   2. on the fragments: P, P' (-> dv), dL' and dL (-> dk), the slot-3 (P, dP') and slot-1
+//      (S, dL') grads of its keys, summed over its queries;
+//   3. P'^T and (scale dL)^T to smem [64][kGradPitch] (T, rounded as the A operands), a barrier;
+//   4. dv += P'^T dO and dk += (scale dL)^T Q over the tile's 32 queries, for its keys and
+//      the n8 tiles of half hf of dv and of dk (A by ldmatrix from step 3's tiles, B by
+//      ldmatrix.trans).
+// So every product is made once per (t, s): 4 here where separate dv and dk kernels made 6
+// (S^T and dP'^T twice), and the scratch and the query side are read once. The A operands
+// are the values and layout the fragments would have packed: dv and dk are the bits of
+// packing them in registers. The slot grads of a key add the two halves' quad sums (half 0
+// first) after the loop: a fixed order.
+// Registers: dv, dk accumulators of 16 keys x half the columns (2 x DTiles x 4), the two
+// 16 x 16 score fragments (16), the slot grads (20). DTiles bounds half of max(dh_pad,
+// dv_pad) / 8 (key_half_n8).
+
+// The n8 tiles [first, first + count) of half hf of a d_pad-wide product: half 0 takes the
+// even number at or above n8 / 2, so that each half's tiles go in pairs.
+__host__ __device__ inline int key_half_first(int n8, int hf) { return hf == 0 ? 0 : (n8 / 2 + 1) / 2 * 2; }
+__host__ __device__ inline int key_half_n8(int n8, int hf) {
+  return hf == 0 ? key_half_first(n8, 1) : n8 - key_half_first(n8, 1);
+}
+
+template <typename T, int DTiles>
+__global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttnBwdParams bp) {
   const MmaAttnParams& mp = bp.m;
   const AttnParams& p = mp.f;
   const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.y, b = blockIdx.z;
@@ -570,8 +603,10 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_keys(const MmaAttn
   const int t_lo = lo / kQueryTileCols * kQueryTileCols;
   const int n_tiles = (hi - t_lo + kQueryTileCols - 1) / kQueryTileCols;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  const int slab = warp % 4, hf = warp / 4;
   const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8;
-  const int n8 = (Dk ? mp.dh_pad : mp.dv_pad) / 8;
+  const int dk0 = key_half_first(mp.dh_pad / 8, hf), dk8 = key_half_n8(mp.dh_pad / 8, hf);
+  const int dv0 = key_half_first(mp.dv_pad / 8, hf), dv8 = key_half_n8(mp.dv_pad / 8, hf);
   constexpr int kQPitch = kQueryTileCols + 1;
   const int64_t head = static_cast<int64_t>(b) * H + m;
 
@@ -580,8 +615,14 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_keys(const MmaAttn
   T* vs = ks + kTileRows * ldq;                   // [64][ldv] V
   T* qbuf = vs + kTileRows * ldv;                 // [2][32][ldq] Q
   T* obuf = qbuf + 2 * kQueryTileCols * ldq;      // [2][32][ldv] dO
-  float* colf = reinterpret_cast<float*>(obuf + 2 * kQueryTileCols * ldv);  // [2][13][33]
+  T* ppt = obuf + 2 * kQueryTileCols * ldv;       // [64][kGradPitch] P'^T
+  T* dlt = ppt + kTileRows * kGradPitch;          // [64][kGradPitch] (scale dL)^T
+  // [kKeyThreads][kKeySlotGrads] (16-byte aligned rows): each thread's running slot grads
+  float* own_block = reinterpret_cast<float*>(dlt + kTileRows * kGradPitch);
+  float* colf = own_block + kKeyThreads * kKeySlotGrads;  // [2][13][33]
   float* rowk = colf + 2 * kQuerySide * kQPitch;  // [10][65] the key side of the CTA's rows
+  float* half1 = rowk + kKeySide * kRowPitch;     // [64][10] half 1's slot grads of each key
+  float* own = own_block + threadIdx.x * kKeySlotGrads;
 
   const T* q = static_cast<const T*>(p.q) + head * TT * p.dh;
   const T* dout = static_cast<const T*>(bp.dout) + head * TT * p.dv;
@@ -589,51 +630,76 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_keys(const MmaAttn
   const float* part = mp.partials + static_cast<int64_t>(bg) * mp.pfields * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
 
-  // The key side in smem (not registers: the dk kernel's dk accumulators and two score
-  // fragments leave no room); joins the first tile's commit group.
+  // The key side in smem (its 10 fields a row would take 20 registers); joins the first
+  // tile's commit group.
   load_side_fields(rowk, wt_head, s0, kTileRows, kRowPitch, TT, 0x3ffu, kKeySide, true);
   load_rows(ks, static_cast<const T*>(p.k) + head * TT * p.dh, s0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
   load_rows(vs, static_cast<const T*>(p.v) + head * TT * p.dv, s0, kTileRows, TT, p.dv, mp.dv_pad, mp.vec16);
-  constexpr unsigned kQueryMask = Dk ? 0x1fffu : 0x1fffu & ~((1u << kW1Pre) | (1u << (kW1Pre + 1)) | (1u << kW1Post) |
-                                                              (1u << (kW1Post + 1)) | (1u << kStatD));
   auto issue = [&](int i) {
     if (i < n_tiles) {
       const int t0 = t_lo + i * kQueryTileCols, stage = i & 1;
       load_rows(qbuf + stage * kQueryTileCols * ldq, q, t0, kQueryTileCols, TT, p.dh, mp.dh_pad, mp.vec16);
       load_rows(obuf + stage * kQueryTileCols * ldv, dout, t0, kQueryTileCols, TT, p.dv, mp.dv_pad, mp.vec16);
-      load_side_fields(colf + stage * kQuerySide * kQPitch, wt_head, t0, kQueryTileCols, kQPitch, TT, kQueryMask,
+      load_side_fields(colf + stage * kQuerySide * kQPitch, wt_head, t0, kQueryTileCols, kQPitch, TT, 0x1fffu,
                        kQuerySide, false);
     }
     hw::cp_async_commit();
   };
 
-  float o[DTiles][4];
-  zero_tile(o);
-  float acc[2][5];  // per row: the grads of slot 1 (Dk) or slot 3
-  zero_tile(acc);
+  float odv[DTiles][4], odk[DTiles][4];
+  zero_tile(odv);
+  zero_tile(odk);
+  // The thread's running grads of slot 1 and slot 3, per row (key): in its smem row
+  // between query tiles, so that no register holds them through the products.
+  auto slot_grads = [&](float (&acc1)[2][5], float (&acc3)[2][5], bool store) {
+#pragma unroll
+    for (int v = 0; v < kKeySlotGrads; v += 4) {
+      float x[4];
+      if (store) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) x[u] = (v + u) % 10 < 5 ? acc1[(v + u) / 10][(v + u) % 10]
+                                                             : acc3[(v + u) / 10][(v + u) % 10 - 5];
+        hw::store_from_float<4>(own + v, x);
+      } else {
+        hw::load_as_float<4>(own + v, x);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if ((v + u) % 10 < 5) acc1[(v + u) / 10][(v + u) % 10] = x[u];
+          else acc3[(v + u) / 10][(v + u) % 10 - 5] = x[u];
+        }
+      }
+    }
+  };
+  {
+    float acc1[2][5], acc3[2][5];
+    zero_tile(acc1);
+    zero_tile(acc3);
+    slot_grads(acc1, acc3, true);
+  }
 
-  constexpr unsigned kMask = Dk ? part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD) |
-                                      part_bits(kPartDA) | part_bits(kPartDB)
-                                : part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartC) | part_bits(kPartD) |
-                                      part_bits(kPartDD);
+  constexpr unsigned kMask = part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartC) | part_bits(kPartD) |
+                             part_bits(kPartDC) | part_bits(kPartDD) | part_bits(kPartDA) | part_bits(kPartDB);
   issue(0);
   for (int i = 0; i < n_tiles; ++i) {
     const int stage = i & 1, t0 = t_lo + i * kQueryTileCols;
-    __syncthreads();
+    __syncthreads();  // every warp is done with tile i - 1: its stage and the P'^T, dL^T tiles
     issue(i + 1);
     hw::cp_async_wait<1>();
     __syncthreads();
     const T* qt = qbuf + stage * kQueryTileCols * ldq;
     const T* ot = obuf + stage * kQueryTileCols * ldv;
-    float sc[kKeyN8][4], dpp[kKeyN8][4];
-    qk_tile<T>(sc, ks, qt, ldq, mp.dh_pad, warp, lane, p.scale);  // S^T: rows s, columns t
-    qk_tile<T>(dpp, vs, ot, ldv, mp.dv_pad, warp, lane, 1.f);  // dP'^T = V dO^T
+    const int c_half = hf * 16;
+    float sc[kKeyHalfN8][4], dpp[kKeyHalfN8][4];
+    qk_tile<T>(sc, ks, qt + c_half * ldq, ldq, mp.dh_pad, slab, lane, p.scale);  // S^T: rows s, columns t
+    qk_tile<T>(dpp, vs, ot + c_half * ldv, ldv, mp.dv_pad, slab, lane, 1.f);     // dP'^T = V dO^T
     const float* cols = colf + stage * kQuerySide * kQPitch;
+    float acc1[2][5], acc3[2][5];
+    slot_grads(acc1, acc3, false);
 #pragma unroll
-    for (int j = 0; j < kKeyN8; ++j)
+    for (int j = 0; j < kKeyHalfN8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int h = e >> 1, r = warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq + (e & 1);
+        const int h = e >> 1, r = slab * 16 + gq + 8 * h, c = c_half + j * 8 + 2 * tq + (e & 1);
         const int s = s0 + r, t = t0 + c;
         const bool in = t < TT && s < TT && t >= mp.chunk0 && t < c1;
         const bool kept = in && kept_pair(t, s, TT, p.causal, p.window);
@@ -648,48 +714,99 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_keys(const MmaAttn
         const float S = sc[j][e];
         const float P = bwd_prob(S, qside, kside, pt, kept);
         const float dPp = kept ? dpp[j][e] : 0.f;
-        if (Dk) {
-          const float dLp = P * (bwd_grad_prob(dPp, qside, kside, pt) - qside[kStatD]);
-          add_slot_grads(acc[h], S, dLp, pt + kPartDB, pt + kPartB);
-          sc[j][e] = kept ? bwd_grad_logit(dLp, qside, kside, pt) * p.scale : 0.f;
-        } else {
-          add_slot_grads(acc[h], P, dPp, pt + kPartDD, pt + kPartD);
-          sc[j][e] = bwd_post_prob(P, qside, kside, pt, kept);
-        }
+        const float dLp = P * (bwd_grad_prob(dPp, qside, kside, pt) - qside[kStatD]);
+        add_slot_grads(acc3[h], P, dPp, pt + kPartDD, pt + kPartD);
+        add_slot_grads(acc1[h], S, dLp, pt + kPartDB, pt + kPartB);
+        dpp[j][e] = bwd_post_prob(P, qside, kside, pt, kept);                   // P'
+        sc[j][e] = kept ? bwd_grad_logit(dLp, qside, kside, pt) * p.scale : 0.f;  // scale dL
       }
-    // dk += (scale dL)^T Q, or dv += P'^T dO: the query rows by ldmatrix.trans.
-    fragment_times_rows<T>(o, sc, Dk ? qt : ot, Dk ? ldq : ldv, n8, lane);
+    slot_grads(acc1, acc3, true);
+    // The A operands of the products, at (key r, query c) of the tiles: what the
+    // fragments would pack.
+#pragma unroll
+    for (int j = 0; j < kKeyHalfN8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int at = (slab * 16 + gq + 8 * h) * kGradPitch + c_half + j * 8 + 2 * tq;
+        *reinterpret_cast<uint32_t*>(ppt + at) = pack2<T>(dpp[j][2 * h], dpp[j][2 * h + 1]);
+        *reinterpret_cast<uint32_t*>(dlt + at) = pack2<T>(sc[j][2 * h], sc[j][2 * h + 1]);
+      }
+    __syncthreads();
+    // dv += P'^T dO, dk += (scale dL)^T Q over the 32 queries: the slab's A rows by
+    // ldmatrix, the query rows by ldmatrix.trans, half hf's n8 tiles.
+    const int quad = lane / 8, rq8 = lane % 8;
+#pragma unroll
+    for (int kk = 0; kk < kQueryTileCols / 16; ++kk) {
+      const int a_at = (slab * 16 + (quad & 1) * 8 + rq8) * kGradPitch + kk * 16 + (quad >> 1) * 8;
+      uint32_t fa[4];
+      hw::ldmatrix<4>(fa, ppt + a_at);
+      a_times_rows_k16<T>(odv, fa, ot + kk * 16 * ldv + dv0 * 8, ldv, dv8, lane);
+      hw::ldmatrix<4>(fa, dlt + a_at);
+      a_times_rows_k16<T>(odk, fa, qt + kk * 16 * ldq + dk0 * 8, ldq, dk8, lane);
+    }
   }
   hw::cp_async_wait<0>();
-  // Add this chunk's share to the fp32 dk / dv rows and the key-slot grads.
-  const int d = Dk ? p.dh : p.dv;
-  float* dst = (Dk ? bp.dk : bp.dv) + head * TT * d;
+  // Add this chunk's share to the fp32 dk / dv rows.
+  auto add_rows = [&](const float (&o)[DTiles][4], float* dst, int d, int j0, int n8) {
 #pragma unroll
-  for (int j = 0; j < DTiles; ++j) {
-    if (j >= n8) break;
+    for (int j = 0; j < DTiles; ++j) {
+      if (j >= n8) break;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int s = s0 + slab * 16 + gq + 8 * h, c = (j0 + j) * 8 + 2 * tq;
+        if (s >= TT) continue;
+        float* row = dst + static_cast<int64_t>(s) * d + c;
+        if (d % 2 == 0 && c < d) {  // 8-byte accesses (rows of even length start 8-byte aligned)
+          float pair[2];
+          hw::load_as_float<2>(row, pair);
+          pair[0] += o[j][2 * h];
+          pair[1] += o[j][2 * h + 1];
+          hw::store_from_float<2>(row, pair);
+        } else {
+          if (c < d) row[0] += o[j][2 * h];
+          if (c + 1 < d) row[1] += o[j][2 * h + 1];
+        }
+      }
+    }
+  };
+  add_rows(odv, bp.dv + head * TT * p.dv, p.dv, dv0, dv8);
+  add_rows(odk, bp.dk + head * TT * p.dh, p.dh, dk0, dk8);
+  // The key-slot grads: each half's quad sums, half 1's through smem, added to half 0's.
+  float acc1[2][5], acc3[2][5];
+  slot_grads(acc1, acc3, false);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 5; ++i) {
+      acc1[h][i] = quad_sum(acc1[h][i]);
+      acc3[h][i] = quad_sum(acc3[h][i]);
+    }
+  if (hf == 1 && tq == 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int s = s0 + warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq;
-      if (s >= TT) continue;
-      float* row = dst + static_cast<int64_t>(s) * d + c;
-      if (d % 2 == 0 && c < d) {  // 8-byte accesses (rows of even length start 8-byte aligned)
-        float pair[2];
-        hw::load_as_float<2>(row, pair);
-        pair[0] += o[j][2 * h];
-        pair[1] += o[j][2 * h + 1];
-        hw::store_from_float<2>(row, pair);
-      } else {
-        if (c < d) row[0] += o[j][2 * h];
-        if (c + 1 < d) row[1] += o[j][2 * h + 1];
+      float* x = half1 + (slab * 16 + gq + 8 * h) * (kKeySlotGrads / 2);
+#pragma unroll
+      for (int i = 0; i < 5; ++i) {
+        x[i] = acc1[h][i];
+        x[5 + i] = acc3[h][i];
       }
     }
   }
+  __syncthreads();
+  if (hf == 0 && tq == 0) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2; ++h) {
+      const int r = slab * 16 + gq + 8 * h, s = s0 + r;
+      if (s >= TT) continue;
+      const float* x = half1 + r * (kKeySlotGrads / 2);
 #pragma unroll
-    for (int i = 0; i < 5; ++i) acc[h][i] = quad_sum(acc[h][i]);
-    const int s = s0 + warp * 16 + gq + 8 * h;
-    if (tq == 0 && s < TT) put_slot_grads<true>(bp, head, s, Dk ? 1 : 3, acc[h]);
+      for (int i = 0; i < 5; ++i) {
+        acc1[h][i] += x[i];
+        acc3[h][i] += x[5 + i];
+      }
+      put_slot_grads<true>(bp, head, s, 1, acc1[h]);
+      put_slot_grads<true>(bp, head, s, 3, acc3[h]);
+    }
   }
 }
 

@@ -227,12 +227,14 @@ __device__ __forceinline__ void load_side_fields(float* dst, const float* wt_hea
   }
 }
 
-// S[16 x 32] of this warp: rows 16 warp.. of the Q tile times the K tile (both [.][ld]).
-template <typename T>
-__device__ __forceinline__ void qk_tile(float (&acc)[kKeyN8][4], const T* qs, const T* ks, int ld, int d_pad,
-                                        int warp, int lane, float scale) {
+// S[16 x 8 N8] of this warp: rows 16 warp.. of the Q tile times the first 8 N8 rows of the
+// K tile (both [.][ld]); N8 even (kKeyN8: a whole key tile).
+template <typename T, int N8>
+__device__ __forceinline__ void qk_tile(float (&acc)[N8][4], const T* qs, const T* ks, int ld, int d_pad, int warp,
+                                        int lane, float scale) {
+  static_assert(N8 % 2 == 0, "n8 tiles in pairs (one ldmatrix.x4 each)");
 #pragma unroll
-  for (int j = 0; j < kKeyN8; ++j)
+  for (int j = 0; j < N8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
   const int quad = lane / 8, rq = lane % 8;
@@ -242,7 +244,7 @@ __device__ __forceinline__ void qk_tile(float (&acc)[kKeyN8][4], const T* qs, co
     uint32_t fa[4];
     hw::ldmatrix<4>(fa, qs + a_row * ld + k0 + a_col);
 #pragma unroll
-    for (int j = 0; j < kKeyN8; j += 2) {
+    for (int j = 0; j < N8; j += 2) {
       uint32_t r[4];
       hw::ldmatrix<4>(r, ks + (j * 8 + b_row) * ld + k0 + b_col);
       const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
@@ -251,7 +253,7 @@ __device__ __forceinline__ void qk_tile(float (&acc)[kKeyN8][4], const T* qs, co
     }
   }
 #pragma unroll
-  for (int j = 0; j < kKeyN8; ++j)
+  for (int j = 0; j < N8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] *= scale;
 }
@@ -265,13 +267,29 @@ __device__ __forceinline__ void zero_tile(float (&a)[M][N]) {
     for (int j = 0; j < N; ++j) a[i][j] = 0.f;
 }
 
+// o[j] += A B for one k16 step of 16 rows: A the rows' fragment fa (mma's A layout), B =
+// smem rows [16][ld] (k = the row) read by ldmatrix.trans; n8 tiles j < n8 (<= DTiles).
+template <typename T, int DTiles>
+__device__ __forceinline__ void a_times_rows_k16(float (&o)[DTiles][4], const uint32_t (&fa)[4], const T* rows, int ld,
+                                                 int n8, int lane) {
+  const int quad = lane / 8, rq8 = lane % 8;
+#pragma unroll
+  for (int j = 0; j < DTiles; j += 2) {
+    if (j >= n8) break;
+    uint32_t r[4];
+    hw::ldmatrix<4, true>(r, rows + ((quad & 1) * 8 + rq8) * ld + (j + (quad >> 1)) * 8);
+    const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+    mma_bf<T>(o[j], fa, b0);
+    mma_bf<T>(o[j + 1], fa, b1);
+  }
+}
+
 // o[j] += A B for the warp's 16 rows: A = the warp's 16 x 32 accumulator fragment acc packed
 // to T (k = the tile's 32 columns, two k16 steps), B = smem rows [32][ld] (k = the row) read
 // by ldmatrix.trans; n8 tiles j < n8 (<= DTiles).
 template <typename T, int DTiles>
 __device__ __forceinline__ void fragment_times_rows(float (&o)[DTiles][4], const float (&acc)[kKeyN8][4], const T* rows,
                                                     int ld, int n8, int lane) {
-  const int quad = lane / 8, rq8 = lane % 8;
 #pragma unroll
   for (int kk = 0; kk < kTileKeys / 16; ++kk) {
     uint32_t fa[4];
@@ -279,15 +297,7 @@ __device__ __forceinline__ void fragment_times_rows(float (&o)[DTiles][4], const
     fa[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
     fa[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
     fa[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
-#pragma unroll
-    for (int j = 0; j < DTiles; j += 2) {
-      if (j >= n8) break;
-      uint32_t r[4];
-      hw::ldmatrix<4, true>(r, rows + (kk * 16 + (quad & 1) * 8 + rq8) * ld + (j + (quad >> 1)) * 8);
-      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-      mma_bf<T>(o[j], fa, b0);
-      mma_bf<T>(o[j + 1], fa, b1);
-    }
+    a_times_rows_k16<T>(o, fa, rows + kk * 16 * ld, ld, n8, lane);
   }
 }
 

@@ -246,7 +246,7 @@ inline bool mma_backward_fits(const AttnParams& p, at::ScalarType dtype, int dh_
 }
 
 // The tensor-core backward (dcmha_attention_mma_bwd_kernel.cuh): the weights table with
-// the row statistics, then per query chunk the eight launches. dq is written; dk, dv are
+// the row statistics, then per query chunk the seven launches. dq is written; dk, dv are
 // accumulated in fp32 and converted; the weight grads go through the grads table to dw1,
 // dw2, dg (fp32, every element written).
 inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor& q, const at::Tensor& k,
@@ -302,8 +302,7 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
       auto k_pre = &dcmha_attn_bwd_sweep<T, true>;
       auto k_rowsum = &dcmha_attn_bwd_rows<T, false, 4>;
       auto k_dq = dh_pad <= 32 ? &dcmha_attn_bwd_rows<T, true, 4> : &dcmha_attn_bwd_rows<T, true, 16>;
-      auto k_dv = dv_pad <= 32 ? &dcmha_attn_bwd_keys<T, false, 4> : &dcmha_attn_bwd_keys<T, false, 16>;
-      auto k_dk = dh_pad <= 32 ? &dcmha_attn_bwd_keys<T, true, 4> : &dcmha_attn_bwd_keys<T, true, 16>;
+      auto k_keys = std::max(dh_pad, dv_pad) <= 32 ? &dcmha_attn_bwd_keys<T, 2> : &dcmha_attn_bwd_keys<T, 8>;
       const char* op = "dcmha_attention_backward";
       hw::allow_dynamic_smem(op, kw, wt_smem);
       hw::allow_dynamic_smem(op, kp, loop_smem);
@@ -311,8 +310,7 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
       hw::allow_dynamic_smem(op, k_pre, pre_smem);
       hw::allow_dynamic_smem(op, k_rowsum, rows_smem);
       hw::allow_dynamic_smem(op, k_dq, rows_smem);
-      hw::allow_dynamic_smem(op, k_dv, keys_smem);
-      hw::allow_dynamic_smem(op, k_dk, keys_smem);
+      hw::allow_dynamic_smem(op, k_keys, keys_smem);
       HW_LAUNCH("dcmha_attn_weights_t", kw, dim3(static_cast<unsigned>((p.T + 31) / 32), B), dim3(kMmaThreads),
                 wt_smem, p, wt.data_ptr<float>(), kBwdWeightFields);
       for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
@@ -330,8 +328,7 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
                   bp);
         HW_LAUNCH("dcmha_attn_bwd_dpre", k_pre, sweep_grid, dim3(kMmaThreads), pre_smem, bp);
         HW_LAUNCH("dcmha_attn_bwd_dq", k_dq, rows_grid, dim3(kMmaThreads), rows_smem, bp);
-        HW_LAUNCH("dcmha_attn_bwd_dv", k_dv, keys_grid, dim3(kMmaThreads), keys_smem, bp);
-        HW_LAUNCH("dcmha_attn_bwd_dk", k_dk, keys_grid, dim3(kMmaThreads), keys_smem, bp);
+        HW_LAUNCH("dcmha_attn_bwd_dkv", k_keys, keys_grid, dim3(kKeyThreads), keys_smem, bp);
       }
     }
   });

@@ -63,4 +63,4 @@ def test_the_backward_cases_count_each_kernels_work_alike_before_and_now():
     # A key kernel's 32-row query steps: per 64-key tile j the rows t >= 64 j of each chunk.
     steps = sum(-(-(c0 + 128 - max(c0, 64 * j)) // 32) for c0 in range(0, seq, 128) for j in range(tiles)
                 if c0 + 128 > 64 * j)
-    assert sum(sum(w) for w in cases["now"]["dcmha_attn_bwd_dk"]) == batch * heads * steps
+    assert sum(sum(w) for w in cases["now"]["dcmha_attn_bwd_dkv"]) == batch * heads * steps

@@ -24,13 +24,13 @@ at the target shape, B = 8, one group of H = 32 heads, T = 4096 causal, 64-row q
 - the partials sweep (2 CTAs per sm_90 SM), a launch per query chunk because its scratch
   (B G 8 chunk T fp32) bounds the chunk (256 rows under the 256 MiB cap), with CTAs of
   256-key splits (before) or of one 32-key tile (now), and larger chunks (a larger cap);
-- the backward's eight launches per 128-row query chunk (its scratch has 16 fields), each
+- the backward's launches per 128-row query chunk (its scratch has 16 fields), each
   at its CTAs per SM from the emulator's profile JSON, weighted by the profile's estimate
   of the kernel (which spreads its work evenly): the sweeps (partials, dP', dL') with CTAs
   of 256-key splits (before) or of one key tile (tiles, now), the row kernels (rowsum, dq)
   a CTA per (query tile, head, b) over the band, the rowsum's band cut into 3 key splits
-  (now) with their combine after it, the key kernels (dv, dk) a CTA per (64-key tile,
-  head, b) over the chunk's 32-row query steps in its band.
+  (now) with their combine after it, the key kernel (dk and dv; two kernels in older
+  profiles) a CTA per (64-key tile, head, b) over the chunk's 32-row query steps in its band.
 """
 
 from __future__ import annotations
@@ -128,9 +128,11 @@ def key_ctas(rows: range, batch: int, heads: int, seq: int, key_rows: int = 64, 
     return works
 
 
+# The key kernels: dcmha_attn_bwd_dkv now; dcmha_attn_bwd_dv and _dk in profiles made before
+# they were one kernel (a table lists the kernels its profile has).
 BACKWARD_KERNELS = ("dcmha_attn_partials", "dcmha_attn_bwd_dpost", "dcmha_attn_bwd_rowsum",
-                    "dcmha_attn_bwd_rowsum_combine", "dcmha_attn_bwd_dpre", "dcmha_attn_bwd_dq", "dcmha_attn_bwd_dv",
-                    "dcmha_attn_bwd_dk")
+                    "dcmha_attn_bwd_rowsum_combine", "dcmha_attn_bwd_dpre", "dcmha_attn_bwd_dq", "dcmha_attn_bwd_dkv",
+                    "dcmha_attn_bwd_dv", "dcmha_attn_bwd_dk")
 ROWSUM_KEY_SPLITS = 3  # kRowsumKeySplits (dcmha_attention_mma_bwd_kernel.cuh)
 
 
@@ -172,8 +174,8 @@ def backward_table(estimates: str) -> list[str]:
     lines = [f"{'kernel':<32}{'CTAs/SM':>8}{'est ms':>8}" + "".join(f"{f'{n}, cap {c}':>20}" for n in cases
                                                                    for c in ("1/slots", "1"))]
     totals = [0.0] * (2 * len(cases))
-    for k in BACKWARD_KERNELS:
-        ms, slots = est.get(k, (0.0, 1))  # a profile from before a kernel existed has no row of it
+    for k in (k for k in BACKWARD_KERNELS if k in est):
+        ms, slots = est[k]
         spans = [span_ratio(cases[n][k], slots, cap) for n in cases for cap in (1 / slots, 1.0)]
         totals = [a + ms * x for a, x in zip(totals, spans)]
         lines.append(f"{k:<32}{slots:>8}{ms:>8.2f}" + "".join(f"{x:>19.2f}x" for x in spans))

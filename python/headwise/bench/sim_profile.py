@@ -373,7 +373,7 @@ def _attention_flops(s):
                     "dcmha_attn_bwd_dpost": pairs * 4, "dcmha_attn_bwd_rowsum": pairs * COMPOSE_FLOPS,
                     "dcmha_attn_bwd_rowsum_combine": 0,
                     "dcmha_attn_bwd_dpre": pairs * COMPOSE_FLOPS, "dcmha_attn_bwd_dq": pairs * 2 * s["dh"],
-                    "dcmha_attn_bwd_dv": pairs * 2 * s["dh"], "dcmha_attn_bwd_dk": pairs * 2 * s["dh"]}}
+                    "dcmha_attn_bwd_dkv": pairs * 4 * s["dh"]}}
 
 
 def _bt(s):
@@ -497,8 +497,7 @@ LAUNCH_FUNCTIONS = {
     "dcmha_attn_bwd_dpre": ("dcmha_attn_bwd_sweep", "true"),
     "dcmha_attn_bwd_rowsum": ("dcmha_attn_bwd_rows", "false, 4"),
     "dcmha_attn_bwd_dq": ("dcmha_attn_bwd_rows", "true, 16"),
-    "dcmha_attn_bwd_dv": ("dcmha_attn_bwd_keys", "false, 16"),
-    "dcmha_attn_bwd_dk": ("dcmha_attn_bwd_keys", "true, 16"),
+    "dcmha_attn_bwd_dkv": ("dcmha_attn_bwd_keys", "8"),
 }
 
 
