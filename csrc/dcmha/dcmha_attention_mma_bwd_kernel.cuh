@@ -62,7 +62,7 @@
 // Shared memory (the *_smem_bytes functions; ldq = dh_pad + 8, ldv = dv_pad + 8 elements), at
 // dh = dv = 128: the dL' sweep 111.2 KiB (double-buffered dO, V, Q, K tiles + the weights
 // of a query and a key tile), the dP' sweep 60.2 KiB, the row kernels 70.6 KiB, the key
-// kernel 86.4 KiB: sm_80 / sm_90 (163 / 227 KiB); the 99 KiB parts take the SIMT backward
+// kernel 106.4 KiB: sm_80 / sm_90 (163 / 227 KiB); the 99 KiB parts take the SIMT backward
 // at that size.
 #pragma once
 
