@@ -203,13 +203,16 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_grads_untranspose(cons
 
 // Scratch fields of `Mask` (bit i: fields 2i, 2i + 1) of the pair (t, s), (t, s + 1) at
 // offset at: 8-byte loads where `pair`, else element loads (second: s + 1 < T); 0 where !in.
+// The fields' addresses step by `plane` from the first's (a 64-bit add each): written as
+// part + f plane + at, nvcc factored T out of plane and at and formed each field's address
+// with 64-bit multiplies (~10 instructions a load in the key kernel's SASS).
 template <unsigned Mask>
 __device__ __forceinline__ void load_part_pair(float (&pt)[kBwdPartFields][2], const float* part, int64_t plane,
                                                int64_t at, bool in, bool pair, bool second) {
+  const float* src = part + at;
 #pragma unroll
-  for (int f = 0; f < kBwdPartFields; ++f) {
+  for (int f = 0; f < kBwdPartFields; ++f, src += plane) {
     if (!((Mask >> (f / 2)) & 1u)) continue;
-    const float* src = part + f * plane + at;
     if (!in) {
       pt[f][0] = pt[f][1] = 0.f;
     } else if (pair) {
@@ -224,10 +227,11 @@ __device__ __forceinline__ void load_part_pair(float (&pt)[kBwdPartFields][2], c
 template <unsigned Mask>
 __device__ __forceinline__ void load_part_one(float (&pt)[kBwdPartFields], const float* part, int64_t plane,
                                               int64_t at, bool in) {
+  const float* src = part + at;
 #pragma unroll
-  for (int f = 0; f < kBwdPartFields; ++f) {
+  for (int f = 0; f < kBwdPartFields; ++f, src += plane) {
     if (!((Mask >> (f / 2)) & 1u)) continue;
-    pt[f] = in ? part[f * plane + at] : 0.f;
+    pt[f] = in ? *src : 0.f;
   }
 }
 
@@ -697,8 +701,15 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
     const float* cols = colf + stage * kQuerySide * kQPitch;
     float acc1[2][5], acc3[2][5];
     slot_grads(acc1, acc3, false);
-#pragma unroll
-    for (int j = 0; j < kKeyHalfN8; ++j)
+    // One n8 tile of the fragments at a time, in a loop that is not unrolled: unrolled,
+    // ptxas issued both tiles' loads together (8 elements x 16 scratch fields, and their
+    // side values) and spilled at the 255-register cap. The tile's P' and scale dL go to
+    // the smem tiles as the A operands of the products, at (key r, query c): what the
+    // fragments would pack.
+    static_assert(kKeyHalfN8 == 2, "the element loop selects one of two n8 tiles");
+#pragma unroll 1
+    for (int j = 0; j < kKeyHalfN8; ++j) {
+      float pp[4], dl[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, r = slab * 16 + gq + 8 * h, c = c_half + j * 8 + 2 * tq + (e & 1);
@@ -713,26 +724,23 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
 #pragma unroll
         for (int f = 0; f < kBwdPartFields; ++f) pt[f] = kept ? pt[f] : 0.f;
         const SmemSide qside{cols + c, kQPitch}, kside{rowk + r, kRowPitch};
-        const float S = sc[j][e];
+        const float S = j == 0 ? sc[0][e] : sc[1][e];
         const float P = bwd_prob(S, qside, kside, pt, kept);
-        const float dPp = kept ? dpp[j][e] : 0.f;
+        const float dPp = kept ? (j == 0 ? dpp[0][e] : dpp[1][e]) : 0.f;
         const float dLp = P * (bwd_grad_prob(dPp, qside, kside, pt) - qside[kStatD]);
         add_slot_grads(acc3[h], P, dPp, pt + kPartDD, pt + kPartD);
         add_slot_grads(acc1[h], S, dLp, pt + kPartDB, pt + kPartB);
-        dpp[j][e] = bwd_post_prob(P, qside, kside, pt, kept);                   // P'
-        sc[j][e] = kept ? bwd_grad_logit(dLp, qside, kside, pt) * p.scale : 0.f;  // scale dL
+        pp[e] = bwd_post_prob(P, qside, kside, pt, kept);                   // P'
+        dl[e] = kept ? bwd_grad_logit(dLp, qside, kside, pt) * p.scale : 0.f;  // scale dL
       }
-    slot_grads(acc1, acc3, true);
-    // The A operands of the products, at (key r, query c) of the tiles: what the
-    // fragments would pack.
-#pragma unroll
-    for (int j = 0; j < kKeyHalfN8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int at = (slab * 16 + gq + 8 * h) * kGradPitch + c_half + j * 8 + 2 * tq;
-        *reinterpret_cast<uint32_t*>(ppt + at) = pack2<T>(dpp[j][2 * h], dpp[j][2 * h + 1]);
-        *reinterpret_cast<uint32_t*>(dlt + at) = pack2<T>(sc[j][2 * h], sc[j][2 * h + 1]);
+        *reinterpret_cast<uint32_t*>(ppt + at) = pack2<T>(pp[2 * h], pp[2 * h + 1]);
+        *reinterpret_cast<uint32_t*>(dlt + at) = pack2<T>(dl[2 * h], dl[2 * h + 1]);
       }
+    }
+    slot_grads(acc1, acc3, true);
     __syncthreads();
     // dv += P'^T dO, dk += (scale dL)^T Q over the 32 queries: the slab's A rows by
     // ldmatrix, the query rows by ldmatrix.trans, half hf's n8 tiles.
