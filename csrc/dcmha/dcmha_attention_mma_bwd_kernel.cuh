@@ -582,9 +582,8 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rowsum_combine(con
 // first) after the loop: a fixed order.
 // Registers: dv, dk accumulators of 16 keys x half the columns (2 x DTiles x 4) and the two
 // 16 x 16 score fragments (16); a thread's 20 slot grads wait in its own smem row between
-// query tiles. DTiles bounds half of max(dh_pad, dv_pad) / 8 (key_half_n8). At 255
-// registers (1 CTA per SM) ptxas still spills a few loop-invariant values on sm_80 /
-// sm_90 (bench/ptxas_sm*.txt).
+// query tiles. DTiles bounds half of max(dh_pad, dv_pad) / 8 (key_half_n8). 249-255
+// registers (1 CTA of 8 warps per SM), no spill (bench/ptxas_sm*.txt).
 
 // The n8 tiles [first, first + count) of half hf of a d_pad-wide product: half 0 takes the
 // even number at or above n8 / 2, so that each half's tiles go in pairs.
