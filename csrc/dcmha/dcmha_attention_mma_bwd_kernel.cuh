@@ -15,8 +15,9 @@
 // The heads of a group meet only through the rank sums (dc, dd) and (da, db), as in the
 // forward through (a, b) and (c, d); D needs a whole row of keys before dL' exists.
 //
-// Design: per query chunk (rows [c0, c0 + chunk), the scratch [B G, 16, chunk, T] fp32 of
-// the 16 rank fields a b c d dc dd da db), seven launches, every T x S x d product on
+// Design: per query chunk (rows [c0, c0 + chunk), the scratch [B G, 8, chunk, T] of
+// PartWords: the 16 rank fields a b c d dc dd da db, both ranks of each one word of two
+// T, the forward's pack_part), seven launches, every T x S x d product on
 // mma.sync m16n8k16 (the forward's 64 x 32 warp tiling, qk_tile and fragment_times_rows):
 //   1. dcmha_attn_partials (the forward's kernel): a, b, c, d of the chunk.
 //   2. dcmha_attn_bwd_sweep<Pre = false>: CTA per (32-key tile, 64-row query tile, b G);
@@ -53,11 +54,11 @@
 // per launch: 1 partials 2 (S twice), 2 dP' 1, 3 (S, dP') 2, 4 (S, dP') 2, 5 (S, dP', dq) 3,
 // 6 (S, dP', dv, dk) 4 = 14 products = 28 d FLOPs against flash attention's backward 5
 // products (10 d): 2.8x.
-// Bytes: the scratch (64 B per (t, s) and group) is read per head by launches 3-6 (32-64 B
+// Bytes: the scratch (32 B per (t, s) and group) is read per head by launches 3-6 (16-32 B
 // each) from L2, the term that bounds the backward at dh <= 128 (bench/RESULTS.md).
-// No tensor scales with T S: the scratch is B G 16 chunk T fp32 with chunk rows chosen
-// under kScratchBytes (256 MiB; 128 rows at B = 8, G = 1, T = 4096) but at least 64 (so
-// B G 4 KiB T where that is over the cap); dk, dv fp32 are O(B H T d), the tables O(B H T),
+// No tensor scales with T S: the scratch is B G 8 chunk T words with chunk rows chosen
+// under kScratchBytes (256 MiB; 256 rows at B = 8, G = 1, T = 4096) but at least 64 (so
+// B G 2 KiB T where that is over the cap); dk, dv fp32 are O(B H T d), the tables O(B H T),
 // launch 3's split sums B H 3 6 chunk fp32 (0.8 MiB at the target).
 // Shared memory (the *_smem_bytes functions; ldq = dh_pad + 8, ldv = dv_pad + 8 elements), at
 // dh = dv = 128: the dL' sweep 111.2 KiB (double-buffered dO, V, Q, K tiles + the weights
@@ -76,6 +77,7 @@ namespace dcmha {
 // The scratch fields per (t, s) and head group.
 constexpr int kPartA = 0, kPartB = 2, kPartC = 4, kPartD = 6, kPartDC = 8, kPartDD = 10, kPartDA = 12, kPartDB = 14;
 constexpr int kBwdPartFields = 16;
+constexpr int kBwdPartWords = kBwdPartFields / 2;  // scratch planes: one PartWord (both ranks) a partial
 constexpr int kQueryTileCols = 32;  // query rows per step of the key-tile kernels
 // The key kernel's warps (4 key slabs x 2 halves), its query columns per warp's score
 // fragments, and the pitch (elements) of its P'^T, dL^T tiles: 80-byte rows, so that the
@@ -201,37 +203,44 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_grads_untranspose(cons
   }
 }
 
-// Scratch fields of `Mask` (bit i: fields 2i, 2i + 1) of the pair (t, s), (t, s + 1) at
-// offset at: 8-byte loads where `pair`, else element loads (second: s + 1 < T); 0 where !in.
-// The fields' addresses step by `plane` from the first's (a 64-bit add each): written as
-// part + f plane + at, nvcc factored T out of plane and at and formed each field's address
-// with 64-bit multiplies (~10 instructions a load in the key kernel's SASS).
+// The scratch words of `Mask`'s planes (bit i: plane i, fields 2i and 2i + 1) of the pair
+// (t, s), (t, s + 1) at offset at: 8-byte loads where `pair`, else word loads (second:
+// s + 1 < T); 0 where !in. Kept as words until a column's element math unpacks them
+// (unpack_part_column): half the registers of their fields. The planes' addresses step by
+// `plane` from the first's (a 64-bit add each): written as part + f plane + at, nvcc
+// factored T out of plane and at and formed each address with 64-bit multiplies (~10
+// instructions a load in the key kernel's SASS).
 template <unsigned Mask>
-__device__ __forceinline__ void load_part_pair(float (&pt)[kBwdPartFields][2], const float* part, int64_t plane,
-                                               int64_t at, bool in, bool pair, bool second) {
-  const float* src = part + at;
+__device__ __forceinline__ void load_part_word_pair(PartWord (&w)[kBwdPartWords][2], const PartWord* part,
+                                                    int64_t plane, int64_t at, bool in, bool pair, bool second) {
+  const PartWord* src = part + at;
 #pragma unroll
-  for (int f = 0; f < kBwdPartFields; ++f, src += plane) {
-    if (!((Mask >> (f / 2)) & 1u)) continue;
-    if (!in) {
-      pt[f][0] = pt[f][1] = 0.f;
-    } else if (pair) {
-      hw::load_as_float<2>(src, pt[f]);
-    } else {
-      pt[f][0] = src[0];
-      pt[f][1] = second ? src[1] : 0.f;
-    }
+  for (int i = 0; i < kBwdPartWords; ++i, src += plane) {
+    w[i][0] = w[i][1] = 0u;
+    if (((Mask >> i) & 1u) && in) load_part_words(src, w[i][0], w[i][1], pair, second);
   }
 }
 
-template <unsigned Mask>
-__device__ __forceinline__ void load_part_one(float (&pt)[kBwdPartFields], const float* part, int64_t plane,
-                                              int64_t at, bool in) {
-  const float* src = part + at;
+// Column e (0: s, 1: s + 1) of those words as the 16 fields of (t, s + e): 0 where !kept
+// and outside Mask.
+template <typename T, unsigned Mask>
+__device__ __forceinline__ void unpack_part_column(const PartWord (&w)[kBwdPartWords][2], int e, bool kept,
+                                                   float (&pt)[kBwdPartFields]) {
 #pragma unroll
-  for (int f = 0; f < kBwdPartFields; ++f, src += plane) {
-    if (!((Mask >> (f / 2)) & 1u)) continue;
-    pt[f] = in ? *src : 0.f;
+  for (int i = 0; i < kBwdPartWords; ++i) {
+    const PartWord x = ((Mask >> i) & 1u) && kept ? (e == 0 ? w[i][0] : w[i][1]) : 0u;
+    unpack_part<T>(x, pt[2 * i], pt[2 * i + 1]);
+  }
+}
+
+template <typename T, unsigned Mask>
+__device__ __forceinline__ void load_part_one(float (&pt)[kBwdPartFields], const PartWord* part, int64_t plane,
+                                              int64_t at, bool in) {
+  const PartWord* src = part + at;
+#pragma unroll
+  for (int i = 0; i < kBwdPartWords; ++i, src += plane) {
+    if (!((Mask >> i) & 1u)) continue;
+    unpack_part<T>(in ? *src : 0u, pt[2 * i], pt[2 * i + 1]);
   }
 }
 
@@ -314,7 +323,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_sweep(const MmaAtt
     hw::cp_async_commit();
   };
 
-  float* part = mp.partials + static_cast<int64_t>(bg) * mp.pfields * mp.chunk * TT;
+  PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
   float sq[kR][kKeyN8][4], sk[kR][kKeyN8][4];  // (dc, dd) or (da, db) of the warp's 16 x 32 fragment
   issue(0);
@@ -345,11 +354,11 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_sweep(const MmaAtt
       for (int h = 0; h < 2; ++h) {
         const int r = warp * 16 + gq + 8 * h, t = q0 + r, c = j * 8 + 2 * tq, s = s0 + c;
         const bool in = t < TT && s < TT;
-        float pt2[kBwdPartFields][2] = {};
+        constexpr unsigned kMask = part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD);
+        PartWord pw[kBwdPartWords][2];
         if (Pre)
-          load_part_pair<part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD)>(
-              pt2, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in, s + 1 < TT && TT % 2 == 0,
-              s + 1 < TT);
+          load_part_word_pair<kMask>(pw, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in,
+                                     s + 1 < TT && TT % 2 == 0, s + 1 < TT);
         const SmemSide qs{rows + r, kRowPitch};
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
@@ -358,9 +367,8 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_sweep(const MmaAtt
           const bool kept = t < TT && kept_pair(t, s + e2, TT, p.causal, p.window);
           float y;
           if (Pre) {
-            float pt[kBwdPartFields] = {};
-#pragma unroll
-            for (int f = 0; f < kBwdPartFields; ++f) pt[f] = kept ? pt2[f][e2] : 0.f;
+            float pt[kBwdPartFields];
+            unpack_part_column<T, kMask>(pw, e2, kept, pt);
             const float P = bwd_prob(sc[j][e], qs, ks, pt, kept);
             y = P * (bwd_grad_prob(dpp[j][e], qs, ks, pt) - qs[kStatD]);  // dL'
 #pragma unroll
@@ -379,28 +387,21 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_sweep(const MmaAtt
         }
       }
     if (n == hg - 1) {
-      // The tile's 4 rank sums to the scratch fields dc dd (Pre = false) or da db.
-      const int f0 = Pre ? kPartDA : kPartDC;
+      // The tile's 2 rank sums (both ranks a word) to the scratch planes of dc dd
+      // (Pre = false) or da db.
+      PartWord* planes = part + (Pre ? kPartDA : kPartDC) / 2 * plane;
 #pragma unroll
       for (int j = 0; j < kKeyN8; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = warp * 16 + gq + 8 * h, t = q0 + r, s = s0 + j * 8 + 2 * tq;
           if (t >= TT || s >= TT) continue;
-          const int64_t at = static_cast<int64_t>(t - mp.chunk0) * TT + s;
-          const bool pair = s + 1 < TT && TT % 2 == 0;
-#pragma unroll
-          for (int x = 0; x < 4; ++x) {
-            const float vals[2] = {x < 2 ? sq[x][j][2 * h] : sk[x - 2][j][2 * h],
-                                   x < 2 ? sq[x][j][2 * h + 1] : sk[x - 2][j][2 * h + 1]};
-            float* dst = part + (f0 + x) * plane + at;
-            if (pair) {
-              hw::store_from_float<2>(dst, vals);
-            } else {
-              dst[0] = vals[0];
-              if (s + 1 < TT) dst[1] = vals[1];
-            }
-          }
+          const bool pair = s + 1 < TT && TT % 2 == 0, second = s + 1 < TT;
+          PartWord* dst = planes + static_cast<int64_t>(t - mp.chunk0) * TT + s;
+          store_part_words(dst, pack_part<T>(sq[0][j][2 * h], sq[1][j][2 * h]),
+                           pack_part<T>(sq[0][j][2 * h + 1], sq[1][j][2 * h + 1]), pair, second);
+          store_part_words(dst + plane, pack_part<T>(sk[0][j][2 * h], sk[1][j][2 * h]),
+                           pack_part<T>(sk[0][j][2 * h + 1], sk[1][j][2 * h + 1]), pair, second);
         }
     }
   }
@@ -433,7 +434,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
   const T* k = static_cast<const T*>(p.k) + head * TT * p.dh;
   const T* v = static_cast<const T*>(p.v) + head * TT * p.dv;
   const float* wt_head = mp.wt + head * mp.wfields * TT;
-  const float* part = mp.partials + static_cast<int64_t>(bg) * mp.pfields * mp.chunk * TT;
+  const PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
 
   // The query side of this thread's two rows (D only once launch 3 has written it).
@@ -492,17 +493,16 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
       for (int h = 0; h < 2; ++h) {
         const int r = warp * 16 + gq + 8 * h, t = q0 + r, c = j * 8 + 2 * tq, s = s0 + c;
         const bool in = t < TT && s < TT;
-        float pt2[kBwdPartFields][2] = {};
-        load_part_pair<kMask>(pt2, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in,
-                              s + 1 < TT && TT % 2 == 0, s + 1 < TT);
+        PartWord pw[kBwdPartWords][2];
+        load_part_word_pair<kMask>(pw, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in,
+                                   s + 1 < TT && TT % 2 == 0, s + 1 < TT);
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
           const int e = 2 * h + e2;
           const SmemSide ks{cols + c + e2, kColPitch};
           const bool kept = t < TT && kept_pair(t, s + e2, TT, p.causal, p.window);
-          float pt[kBwdPartFields] = {};
-#pragma unroll
-          for (int f = 0; f < kBwdPartFields; ++f) pt[f] = kept ? pt2[f][e2] : 0.f;
+          float pt[kBwdPartFields];
+          unpack_part_column<T, kMask>(pw, e2, kept, pt);
           const float S = sc[j][e];
           const float P = bwd_prob(S, rq[h], ks, pt, kept);
           const float dP = bwd_grad_prob(dpp[j][e], rq[h], ks, pt);
@@ -632,7 +632,7 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   const T* q = static_cast<const T*>(p.q) + head * TT * p.dh;
   const T* dout = static_cast<const T*>(bp.dout) + head * TT * p.dv;
   const float* wt_head = mp.wt + head * mp.wfields * TT;
-  const float* part = mp.partials + static_cast<int64_t>(bg) * mp.pfields * mp.chunk * TT;
+  const PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
 
   // The key side in smem (its 10 fields a row would take 20 registers); joins the first
@@ -719,7 +719,7 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
         // Every in-range lane loads (whole 32-byte rows of s per request), then only kept
         // pairs keep their values: the scratch (zeroed once) holds this chunk's values for
         // each 64-row query tile's key band only, elsewhere older ones; masked pairs add 0.
-        load_part_one<kMask>(pt, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in);
+        load_part_one<T, kMask>(pt, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in);
 #pragma unroll
         for (int f = 0; f < kBwdPartFields; ++f) pt[f] = kept ? pt[f] : 0.f;
         const SmemSide qside{cols + c, kQPitch}, kside{rowk + r, kRowPitch};

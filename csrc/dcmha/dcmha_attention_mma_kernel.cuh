@@ -36,7 +36,8 @@
 //      stats [2, B, H, T] (M, Z), the layout the backward reads.
 //   2. dcmha_attn_partials: CTA per (32-key tile, query tile, b * group): the same two
 //      sweeps, sweep B forming P_n (from M, Z) and accumulating c_r, d_r; writes the 8
-//      partials of its (t, s) tile to the scratch [B * G, 8, chunk, T] fp32. Its (t, s)
+//      partials of its (t, s) tile to the scratch [B * G, 4, chunk, T] of PartWords (both
+//      ranks of a, b, c, d as one word of two T, below). Its (t, s)
 //      tiles are independent (no combine), so a CTA holds one key tile: the sweep runs a
 //      launch per query chunk (its scratch bounds the chunk), and one key tile a CTA
 //      gives even a causal band's early chunks enough CTAs to fill the GPU (256-key
@@ -47,7 +48,7 @@
 //      P'_m packed to bf16/fp16 A fragments, O_m += P'_m V_m on mma (V by ldmatrix.trans).
 //      O is staged through shared memory and stored in 16-byte chunks.
 // Kernels 2 and 3 run once per query chunk of `chunk` rows: the scratch is
-// B * G * 8 * chunk * T * 4 bytes, with chunk = a multiple of 64 chosen by the launcher so
+// B * G * 4 * chunk * T * 4 bytes, with chunk = a multiple of 64 chosen by the launcher so
 // the scratch stays under kScratchBytes (256 MiB) or is 64 rows (the bound); split_stats
 // (B * H * 2 * ceil(T / 256) * 4 bytes a row) is bounded by the same cap, its chunk chosen
 // alike. No tensor of size T * S exists; the saved statistics are O(B H T).
@@ -56,7 +57,7 @@
 // and the post compose needs every head's final softmax statistics, so each (t, s) tile is
 // visited by three sweeps. All H output accumulators of 64 rows (64 H dv fp32 = 1 MiB at
 // H = 32, dv = 128) fit no CTA, so the output kernel is per head and gets the cross-head
-// information as 8 floats per (t, s) from the scratch (L2-resident per chunk) instead of
+// information as 8 16-bit values per (t, s) from the scratch (L2-resident per chunk) instead of
 // recomputing every head's S_n (which would cost H times the QK^T work per head).
 // sm_90 clusters could exchange the partials through DSMEM instead of the scratch; this
 // kernel uses no sm_90-only feature, so sm_80 runs the same design.
@@ -65,8 +66,8 @@
 //   FLOPs: stats 2 hg (2 d) + partials 2 hg (2 d) + output hg (2 d + 2 d) = 12 hg d, against
 //   4 hg d for plain attention (3x), plus ~60 hg FLOPs of compose on the CUDA cores.
 //   Bytes: Q_n and K_n tiles re-read per key tile and sweep (L2; K/V reused by 64 query
-//   rows), the scratch written once (32 B per (t, s) and group) and read once per head
-//   (32 hg B per (t, s), L2-resident when the chunk's partials fit in L2).
+//   rows), the scratch written once (16 B per (t, s) and group) and read once per head
+//   (16 hg B per (t, s), L2-resident when the chunk's partials fit in L2).
 // Shared memory (bytes, ldq = dh_pad + 8, ldv = dv_pad + 8 bf16 elements):
 //   stats / partials: 2 x (64 + 32) ldq x 2 (Q, K double-buffered)
 //     + 2 x 4 (7 x 65 + 7 x 33) (head n's row / column weights, double-buffered with its
@@ -108,10 +109,10 @@ constexpr int64_t kScratchBytes = int64_t(256) << 20;
 struct MmaAttnParams {
   AttnParams f;
   const float* wt;   // [B, H, wfields, T] transposed weights (fields 0-19; the backward adds 20-22)
-  float* partials;   // [B * G, pfields, chunk, T]: fields 0-7 (a, b, c, d) written by the partials kernel
+  uint32_t* partials;  // [B * G, pwords, chunk, T] PartWord: words 0-3 (a, b, c, d) written by the partials kernel
   float* split_stats;  // [splits, 2, B * H, chunk]: (M, Z) of each key split, by the statistics sweep
   int wfields;       // kWeightFields in the forward, kBwdWeightFields in the backward
-  int pfields;       // 8 in the forward, kBwdPartFields in the backward
+  int pwords;        // 4 in the forward, kBwdPartWords in the backward
   int chunk0;        // first query row of this chunk
   int split0;        // key split of a sweep's blockIdx.x = 0 (the splits before the chunk's band have no work)
   int chunk;         // rows of the scratch (a multiple of 64)
@@ -187,6 +188,55 @@ template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   const T l = static_cast<T>(lo), h = static_cast<T>(hi);
   return static_cast<uint32_t>(l.x) | (static_cast<uint32_t>(h.x) << 16);
+}
+
+// The scratch of rank partials: the two ranks (r = 0 low, r = 1 high) of one partial of one
+// (t, s) as one 32-bit word of two T (the inputs' bf16 / fp16), rounded to nearest even.
+// The scratch reads (each head's kernels read the group's partials of every (t, s) they
+// visit) are the term that bounds the kernels reading it (bench/RESULTS.md); as 16-bit
+// pairs they are half the bytes and half the loads of fp32. Precision and range are the
+// inputs' dtype: those in which the eager composition holds its [B, H, T, S] logits,
+// probabilities and their gradients, and of the P' and dL operands the products here take.
+using PartWord = uint32_t;
+template <typename T>
+__device__ __forceinline__ PartWord pack_part(float r0, float r1) {
+  return pack2<T>(r0, r1);
+}
+template <typename T>
+__device__ __forceinline__ void unpack_part(PartWord w, float& r0, float& r1) {
+  hw::Pack<T, 2> pk;
+  std::memcpy(&pk, &w, sizeof(w));
+  float f[2];
+  hw::unpack_to_float<T, 2>(pk, f);
+  r0 = f[0];
+  r1 = f[1];
+}
+static_assert(kR == 2, "a scratch word holds the two ranks of a partial");
+
+// The words of the pair (t, s), (t, s + 1) of one scratch plane at dst / src: one 8-byte access
+// where `pair` (s + 1 < T and T even), else one word each, the second where `second`
+// (s + 1 < T); a word not loaded reads 0.
+__device__ __forceinline__ void store_part_words(PartWord* dst, PartWord w0, PartWord w1, bool pair, bool second) {
+  if (pair) {
+    hw::Pack<PartWord, 2> pk;
+    pk.v[0] = w0;
+    pk.v[1] = w1;
+    hw::store_pack<PartWord, 2>(dst, pk);
+  } else {
+    dst[0] = w0;
+    if (second) dst[1] = w1;
+  }
+}
+__device__ __forceinline__ void load_part_words(const PartWord* src, PartWord& w0, PartWord& w1, bool pair,
+                                                bool second) {
+  if (pair) {
+    const hw::Pack<PartWord, 2> pk = hw::load_pack<PartWord, 2>(src);
+    w0 = pk.v[0];
+    w1 = pk.v[1];
+  } else {
+    w0 = src[0];
+    w1 = second ? src[1] : 0u;
+  }
 }
 
 // Rows [r0, r0 + rows) of a [T, d] row-major matrix into smem [rows][ld] (ld = d_pad + 8),
@@ -536,38 +586,28 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
           }
         }
       if (n == hg - 1) {
-        // The tile's 8 partials to the scratch [bg][8][chunk][T].
-        float* out = mp.partials + static_cast<int64_t>(bg) * mp.pfields * mp.chunk * TT;
+        // The tile's 4 partials (a, b, c, d; both ranks a word) to the scratch [bg][4][chunk][T].
+        PartWord* out = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
+        const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
 #pragma unroll
         for (int j = 0; j < kKeyN8; ++j)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int r = warp * 16 + gq + 8 * h, t = q0 + r, s = s0 + j * 8 + 2 * tq;
             if (t >= TT || s >= TT) continue;
-            const int64_t at = static_cast<int64_t>(t - mp.chunk0) * TT + s;
-            const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
-            float v8[8][2];
+            PartWord w[4][2];
 #pragma unroll
             for (int e2 = 0; e2 < 2; ++e2) {
-#pragma unroll
-              for (int rr = 0; rr < kR; ++rr) {
-                v8[rr][e2] = pa[rr][j][2 * h + e2];
-                v8[2 + rr][e2] = pb[rr][j][2 * h + e2];
-                v8[4 + rr][e2] = pc[rr][j][2 * h + e2];
-                v8[6 + rr][e2] = pd[rr][j][2 * h + e2];
-              }
+              const int e = 2 * h + e2;
+              w[0][e2] = pack_part<T>(pa[0][j][e], pa[1][j][e]);
+              w[1][e2] = pack_part<T>(pb[0][j][e], pb[1][j][e]);
+              w[2][e2] = pack_part<T>(pc[0][j][e], pc[1][j][e]);
+              w[3][e2] = pack_part<T>(pd[0][j][e], pd[1][j][e]);
             }
-            const bool pair = s + 1 < TT && (TT % 2 == 0);
+            const bool pair = s + 1 < TT && (TT % 2 == 0), second = s + 1 < TT;
+            PartWord* dst = out + static_cast<int64_t>(t - mp.chunk0) * TT + s;
 #pragma unroll
-            for (int x = 0; x < 8; ++x) {
-              float* dst = out + x * plane + at;
-              if (pair) {
-                hw::store_from_float<2>(dst, v8[x]);
-              } else {
-                dst[0] = v8[x][0];
-                if (s + 1 < TT) dst[1] = v8[x][1];
-              }
-            }
+            for (int x = 0; x < 4; ++x, dst += plane) store_part_words(dst, w[x][0], w[x][1], pair, second);
           }
       }
     }
@@ -638,7 +678,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
   const T* k = static_cast<const T*>(p.k) + head * TT * p.dh;
   const T* v = static_cast<const T*>(p.v) + head * TT * p.dv;
   const float* wt = mp.wt + head * mp.wfields * TT;
-  const float* part = mp.partials + static_cast<int64_t>(bg) * mp.pfields * mp.chunk * TT;
+  const PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
   // Column field f < 6: W2 r0, W2 r1, G of slot 1 (pre), then of slot 3 (post).
   auto out_field = [](int f) {
@@ -704,17 +744,14 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
         float pv[8][2];
         const bool in = t < TT && s < TT;
         if (in) {
-          const int64_t at = static_cast<int64_t>(t - mp.chunk0) * TT + s;
           const bool pair = s + 1 < TT && (TT % 2 == 0);
+          const PartWord* src = part + static_cast<int64_t>(t - mp.chunk0) * TT + s;
 #pragma unroll
-          for (int x = 0; x < 8; ++x) {
-            const float* src = part + x * plane + at;
-            if (pair) {
-              hw::load_as_float<2>(src, pv[x]);
-            } else {
-              pv[x][0] = src[0];
-              pv[x][1] = s + 1 < TT ? src[1] : 0.f;
-            }
+          for (int x = 0; x < 4; ++x, src += plane) {
+            PartWord w0, w1;
+            load_part_words(src, w0, w1, pair, s + 1 < TT);
+            unpack_part<T>(w0, pv[2 * x][0], pv[2 * x + 1][0]);
+            unpack_part<T>(w1, pv[2 * x][1], pv[2 * x + 1][1]);
           }
         }
 #pragma unroll

@@ -137,9 +137,9 @@ inline int64_t chunk_rows_under_cap(int64_t T, int64_t row_bytes) {
   return std::min(tiles, std::max<int64_t>(1, cap / (row_bytes * kTileRows))) * kTileRows;
 }
 
-// Rows of a query chunk of the tensor-core kernels' scratch, B G fields chunk T fp32.
-inline int64_t query_chunk_rows(const AttnParams& p, int64_t fields) {
-  return chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * (p.H / p.hg) * fields * p.T * 4);
+// Rows of a query chunk of the tensor-core kernels' scratch, B G words chunk T PartWords.
+inline int64_t query_chunk_rows(const AttnParams& p, int64_t words) {
+  return chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * (p.H / p.hg) * words * p.T * sizeof(PartWord));
 }
 
 // Query tiles of the chunk of rows [c0, c0 + rows) of a sequence of T rows.
@@ -169,7 +169,7 @@ inline unsigned band_key_blocks(const AttnParams& p, int64_t c0, int64_t rows, i
 inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& out, int dh_pad, int dv_pad) {
   const int64_t groups = p.H / p.hg;
-  const int64_t chunk = query_chunk_rows(p, 8);
+  const int64_t chunk = query_chunk_rows(p, 4);
   const int64_t splits = (p.T + kStatsSplitKeys - 1) / kStatsSplitKeys;
   const int64_t stats_chunk = chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * p.H * 2 * splits * 4);
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
@@ -178,7 +178,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
   mp.f = p;
   mp.wt = wt.data_ptr<float>();
   mp.wfields = kWeightFields;
-  mp.pfields = 8;
+  mp.pwords = 4;
   mp.dh_pad = dh_pad;
   mp.dv_pad = dv_pad;
   mp.vec16 = p.dh % 8 == 0 && p.dv % 8 == 0 && aligned16(q.data_ptr()) && aligned16(k.data_ptr()) &&
@@ -216,8 +216,8 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
         }
         mp.split_stats = nullptr;
       }
-      at::Tensor partials = at::empty({p.B * groups, 8, chunk, p.T}, fopt);
-      mp.partials = partials.data_ptr<float>();
+      at::Tensor partials = at::empty({p.B * groups, 4, chunk, p.T}, q.options().dtype(at::kInt));
+      mp.partials = reinterpret_cast<PartWord*>(partials.data_ptr<int32_t>());
       mp.chunk = static_cast<int>(chunk);
       for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
         mp.chunk0 = static_cast<int>(c0);
@@ -254,14 +254,14 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
                                           at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dw1,
                                           at::Tensor& dw2, at::Tensor& dg, int dh_pad, int dv_pad) {
   const int64_t groups = p.H / p.hg;
-  const int64_t chunk = query_chunk_rows(p, kBwdPartFields);
+  const int64_t chunk = query_chunk_rows(p, kBwdPartWords);
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kBwdWeightFields, p.T}, fopt);
   wt.select(2, kFieldM).copy_(stats[0]);
   wt.select(2, kFieldInvZ).copy_(at::where(stats[1] > 0, stats[1].reciprocal(), at::zeros({}, fopt)));
   // Zeroed: the key-tile kernels' lanes read (t, s) of other tiles' bands too (then drop
   // the values), and no read may be of uninitialized memory (compute-sanitizer initcheck).
-  at::Tensor partials = at::zeros({p.B * groups, kBwdPartFields, chunk, p.T}, fopt);
+  at::Tensor partials = at::zeros({p.B * groups, kBwdPartWords, chunk, p.T}, q.options().dtype(at::kInt));
   at::Tensor dk32 = at::zeros(k.sizes(), fopt), dv32 = at::zeros(v.sizes(), fopt);
   at::Tensor gt = at::zeros({p.B, p.H, kWeightFields, p.T}, fopt);
   const int64_t rowsum_pitch = (std::min<int64_t>(chunk, p.T) + 31) / 32 * 32;
@@ -269,10 +269,10 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   MmaAttnBwdParams bp{};
   bp.m.f = p;
   bp.m.wt = wt.data_ptr<float>();
-  bp.m.partials = partials.data_ptr<float>();
+  bp.m.partials = reinterpret_cast<PartWord*>(partials.data_ptr<int32_t>());
   bp.m.chunk = static_cast<int>(chunk);
   bp.m.wfields = kBwdWeightFields;
-  bp.m.pfields = kBwdPartFields;
+  bp.m.pwords = kBwdPartWords;
   bp.m.dh_pad = dh_pad;
   bp.m.dv_pad = dv_pad;
   bp.m.vec16 = p.dh % 8 == 0 && p.dv % 8 == 0 && aligned16(q.data_ptr()) && aligned16(k.data_ptr()) &&

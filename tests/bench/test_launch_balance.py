@@ -37,7 +37,7 @@ def test_the_partials_layouts_do_the_same_work_and_key_tile_ctas_hold_one_tile()
     cases = lb.partials_cases(batch=1, seq=1024)
     totals = {name: sum(sum(w) for w in launches) for name, launches in cases.items()}
     assert len(set(totals.values())) == 1, totals
-    assert [len(launches) for launches in cases.values()] == [4, 4, 1, 1]
+    assert [len(launches) for launches in cases.values()] == [4, 4, 2, 2, 1, 1]
     assert max(max(w) for w in cases["256 rows, 32 keys"]) == 1
     assert max(max(w) for w in cases["256 rows, 256 keys"]) == 8
 

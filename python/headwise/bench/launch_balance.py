@@ -22,9 +22,11 @@ at the target shape, B = 8, one group of H = 32 heads, T = 4096 causal, 64-row q
   one launch     a CTA per (256-key split, tile, b) over all rows (what the launcher does
                  where split_stats fits the scratch cap)
 - the partials sweep (2 CTAs per sm_90 SM), a launch per query chunk because its scratch
-  (B G 8 chunk T fp32) bounds the chunk (256 rows under the 256 MiB cap), with CTAs of
-  256-key splits (before) or of one 32-key tile (now), and larger chunks (a larger cap);
-- the backward's launches per 128-row query chunk (its scratch has 16 fields), each
+  bounds the chunk under the 256 MiB cap: 256 rows while it was B G 8 chunk T fp32, 512
+  rows as B G 4 chunk T words (two bf16 / fp16 partials a word), with CTAs of 256-key
+  splits (before) or of one 32-key tile (now), and 1024-row chunks (a larger cap);
+- the backward's launches per 256-row query chunk (its scratch of 8 words a (t, s) under
+  the cap; 128 rows while they were 16 fp32 fields: `--backward-chunk 128`), each
   at its CTAs per SM from the emulator's profile JSON, weighted by the profile's estimate
   of the kernel (which spreads its work evenly): the sweeps (partials, dP', dL') with CTAs
   of 256-key splits (before) or of one key tile (tiles, now), the row kernels (rowsum, dq)
@@ -95,11 +97,11 @@ def stats_cases(batch: int = 8, seq: int = 4096, chunk: int = 256) -> dict[str, 
 
 
 def partials_cases(batch: int = 8, seq: int = 4096) -> dict[str, list[list[int]]]:
-    """The launches of the partials sweep per query chunk: 256-row chunks with CTAs of
-    256-key splits (before) or of one 32-key tile (now), and 1024-row chunks of each."""
+    """The launches of the partials sweep per query chunk: 256-, 512- and 1024-row chunks
+    with CTAs of 256-key splits (before) or of one 32-key tile (now)."""
     return {f"{rows} rows, {keys} keys": [split_ctas(range(c0, c0 + rows), batch, split_keys=keys)
                                          for c0 in range(0, seq, rows)]
-            for rows in (256, 1024) for keys in (256, 32)}
+            for rows in (256, 512, 1024) for keys in (256, 32)}
 
 
 def row_ctas(rows: range, batch: int, heads: int, tile_rows: int = 64, key_tile: int = 32, splits: int = 1) -> list[int]:
@@ -136,7 +138,7 @@ BACKWARD_KERNELS = ("dcmha_attn_partials", "dcmha_attn_bwd_dpost", "dcmha_attn_b
 ROWSUM_KEY_SPLITS = 3  # kRowsumKeySplits (dcmha_attention_mma_bwd_kernel.cuh)
 
 
-def backward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int = 128) -> dict[str, dict[str, list]]:
+def backward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int = 256) -> dict[str, dict[str, list]]:
     """Per backward kernel, its launches (one per query chunk): "before" with sweep CTAs of
     256-key splits and a rowsum CTA per query tile, "tiles" with sweep CTAs of one key tile,
     "now" with those and the rowsum's tiles cut into ROWSUM_KEY_SPLITS key splits (its
@@ -162,7 +164,7 @@ def span_ratio(launches: list[list[int]], slots: int, cap: float) -> float:
     return sum(makespan(w, slots, cap) for w in launches) / (work / SMS) if work else 0.0
 
 
-def backward_table(estimates: str) -> list[str]:
+def backward_table(estimates: str, chunk: int = 256) -> list[str]:
     """The backward's kernels at their CTAs per SM (cap 1 / slots and 1), weighted by the
     profile's estimates of them."""
     import json
@@ -170,7 +172,7 @@ def backward_table(estimates: str) -> list[str]:
     targets = [t for t in json.load(open(estimates))["targets"]
                if t["op_key"] == "dcmha" and t["phase"] == "bwd" and t["kernel"] in BACKWARD_KERNELS]
     est = {t["kernel"]: (t["est_us"] / 1e3, int(t["ctas_per_sm"])) for t in targets}
-    cases = backward_cases()
+    cases = backward_cases(chunk=chunk)
     lines = [f"{'kernel':<32}{'CTAs/SM':>8}{'est ms':>8}" + "".join(f"{f'{n}, cap {c}':>20}" for n in cases
                                                                    for c in ("1/slots", "1"))]
     totals = [0.0] * (2 * len(cases))
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description="How evenly the DCMHA launches fill an H200 (an ESTIMATE).")
     ap.add_argument("--estimates", default=str(DEFAULT_ESTIMATES),
                     help="the --sim-profile JSON whose backward kernels' estimates and CTAs per SM weight the table")
+    ap.add_argument("--backward-chunk", type=int, default=256,
+                    help="query rows of a backward chunk (256: the launcher's at the target shape)")
     args = ap.parse_args(argv)
     head = "B=8 H=32 T=4096 causal: makespan / balanced (ESTIMATE, processor sharing)"
     configs = ((3, 1 / 3), (3, 0.5), (3, 1.0), (2, 0.5), (1, 1.0))
@@ -207,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("\n".join(table(f"DCMHA partials sweep per query chunk, {head}", partials_cases(), configs)))
     print()
-    print(f"DCMHA backward per 128-row query chunk, {head}; weighted by {args.estimates}")
-    print("\n".join(backward_table(args.estimates)))
+    print(f"DCMHA backward per {args.backward_chunk}-row query chunk, {head}; weighted by {args.estimates}")
+    print("\n".join(backward_table(args.estimates, args.backward_chunk)))
     return 0
 
 
