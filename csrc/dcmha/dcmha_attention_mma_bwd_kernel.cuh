@@ -178,25 +178,37 @@ __device__ __forceinline__ void put_slot_grads(const MmaAttnBwdParams& bp, int64
 }
 
 // The grads table [B, H, 20, T] to dw1, dw2 [B, T, 4, R, H] and dg [B, T, 4, H]: the inverse
-// of dcmha_attn_weights_t (CTA per (32 rows, b), through smem [20 H][33]).
-__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_grads_untranspose(const AttnParams p, const float* gt,
-                                                                             float* dw1, float* dw2, float* dg) {
-  constexpr int kRows = 32;
-  const int b = blockIdx.y, t0 = blockIdx.x * kRows, H = p.H, TT = p.T;
-  float* s = reinterpret_cast<float*>(hw::dynamic_shared_memory());
-  const int rows = TT - t0 < kRows ? TT - t0 : kRows;
-  const int per_row = kWeightFields * H;
-  for (int i = threadIdx.x; i < per_row * kRows; i += blockDim.x) {
-    const int j = i / kRows, r = i % kRows;
-    if (r >= rows) continue;
-    const int f = j / H, h = j % H;
-    s[j * (kRows + 1) + r] = gt[((static_cast<int64_t>(b) * H + h) * kWeightFields + f) * TT + t0 + r];
+// of dcmha_attn_weights_t, on its tiles (CTA per (32 rows, b, 128 columns)). Loads: 16-byte
+// chunks of a column's rows (vec4: T a multiple of 4), a warp 4 columns x 32 rows (128 B
+// each); stores: a warp 32 consecutive columns of a row.
+__global__ void __launch_bounds__(kTransposeThreads) dcmha_attn_grads_untranspose(const AttnParams p, const float* gt,
+                                                                                  float* dw1, float* dw2, float* dg,
+                                                                                  int vec4) {
+  const int b = blockIdx.y, t0 = blockIdx.x * kTransposeRows, j0 = blockIdx.z * kTransposeCols, H = p.H, TT = p.T;
+  const int rows = TT - t0 < kTransposeRows ? TT - t0 : kTransposeRows;
+  const int cols = kWeightFields * H - j0 < kTransposeCols ? kWeightFields * H - j0 : kTransposeCols;
+  float* s = reinterpret_cast<float*>(hw::dynamic_shared_memory());  // [kTransposeCols][kGradsTPitch]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The tile as 32 blocks of 4 columns x 32 rows, a warp's block per step.
+  for (int blk = warp; blk < kTransposeCols / 4; blk += kTransposeThreads / 32) {
+    const int c = blk * 4 + lane / 8, r = (lane % 8) * 4, j = j0 + c;
+    if (c >= cols || r >= rows) continue;
+    const float* src = gt + ((static_cast<int64_t>(b) * H + j % H) * kWeightFields + j / H) * TT + t0 + r;
+    float x[4] = {};
+    if (vec4 && r + 4 <= rows) {
+      hw::load_as_float<4>(src, x);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) x[k] = r + k < rows ? src[k] : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[c * kGradsTPitch + r + k] = x[k];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
-    const int r = i / per_row, j = i % per_row;
+  for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
+    const int r = i / cols, c = i % cols, j = j0 + c;
     const int64_t row = static_cast<int64_t>(b) * TT + t0 + r;
-    const float x = s[j * (kRows + 1) + r];
+    const float x = s[c * kGradsTPitch + r];
     if (j < 8 * H) dw1[row * 8 * H + j] = x;
     else if (j < 16 * H) dw2[row * 8 * H + j - 8 * H] = x;
     else dg[row * 4 * H + j - 16 * H] = x;

@@ -385,29 +385,60 @@ __device__ __forceinline__ void store_row_tile(const float (&o)[DTiles][4], T* s
   }
 }
 
+// Kernels 0 (and the backward's grads_untranspose, its inverse): the weights [B, T, 20 H] of
+// a row (the columns j = field * H + head: w1's 8 H, w2's 8 H, g's 4 H, each contiguous)
+// and the table [B, H, fields, T] (a column j contiguous along t), through a shared tile of
+// kTransposeRows rows x kTransposeCols columns. CTA of kTransposeThreads per (32 rows, b,
+// 128 columns): 17 KiB of smem, so 8 CTAs (64 warps) per SM, 4 KiB of loads in flight each.
+constexpr int kTransposeRows = 32, kTransposeCols = 128, kTransposeThreads = 256;
+// Pitches of the tile [column][row]: weights_t writes 4 columns of a row per lane, a warp 8
+// rows x 16 columns (bank 8 (lane / 8) + lane % 8 at a pitch of 2 mod 8: conflict-free);
+// grads_untranspose writes 4 rows of a column per lane, a warp 4 columns x 32 rows (bank
+// 4 (lane % 8) + lane / 8 at an odd pitch). Both read a column's 32 rows or a row's 32
+// columns per warp: conflict-free at either pitch.
+constexpr int kWeightsTPitch = kTransposeRows + 2, kGradsTPitch = kTransposeRows + 1;
+__host__ __device__ inline int64_t transpose_smem_bytes() {
+  return int64_t(4) * kTransposeCols * (kWeightsTPitch > kGradsTPitch ? kWeightsTPitch : kGradsTPitch);
+}
+
+// Column j of a weights row: w1 [.., 8 H], then w2, then g [.., 4 H] (row = b T + t).
+__device__ __forceinline__ const float* weights_row_column(const AttnParams& p, int64_t row, int j) {
+  const int H = p.H;
+  return j < 8 * H ? p.w1 + row * 8 * H + j : j < 16 * H ? p.w2 + row * 8 * H + j - 8 * H : p.g + row * 4 * H + j - 16 * H;
+}
+
 // Kernel 0: wt[b, h, f, t] = the weight field f < 20 of (b, t, h), wt's field pitch `wfields`.
-// CTA per (32 rows, b).
-__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_weights_t(const AttnParams p, float* wt, int wfields) {
-  constexpr int kRows = 32;
-  const int b = blockIdx.y, t0 = blockIdx.x * kRows, H = p.H, TT = p.T;
-  float* s = reinterpret_cast<float*>(hw::dynamic_shared_memory());  // [20 H][kRows + 1]
-  const int rows = TT - t0 < kRows ? TT - t0 : kRows;
-  const int per_row = kWeightFields * H;
-  for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
-    const int r = i / per_row, j = i % per_row;
-    const int64_t row = static_cast<int64_t>(b) * TT + t0 + r;
-    float x;
-    if (j < 8 * H) x = p.w1[row * 8 * H + j];  // [4][R][H] contiguous: field c*2+r, head
-    else if (j < 16 * H) x = p.w2[row * 8 * H + j - 8 * H];
-    else x = p.g[row * 4 * H + j - 16 * H];
-    s[j * (kRows + 1) + r] = x;  // j = field * H + head
+// Loads: 16-byte chunks of a row's columns (vec4: w1, w2, g 16-byte aligned; a chunk of 4
+// columns never spans two of them, 8 H and 16 H being multiples of 4), a warp 8 rows x 64 B.
+// Stores: a warp one column's 32 rows (128 B).
+__global__ void __launch_bounds__(kTransposeThreads) dcmha_attn_weights_t(const AttnParams p, float* wt, int wfields,
+                                                                          int vec4) {
+  const int b = blockIdx.y, t0 = blockIdx.x * kTransposeRows, j0 = blockIdx.z * kTransposeCols, H = p.H, TT = p.T;
+  const int rows = TT - t0 < kTransposeRows ? TT - t0 : kTransposeRows;
+  const int cols = kWeightFields * H - j0 < kTransposeCols ? kWeightFields * H - j0 : kTransposeCols;
+  float* s = reinterpret_cast<float*>(hw::dynamic_shared_memory());  // [kTransposeCols][kWeightsTPitch]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The tile's 32 x 128 cells as 4 blocks of 8 rows x 8 blocks of 16 columns, a warp's block a step.
+  constexpr int kColBlocks = kTransposeCols / 16;
+  for (int blk = warp; blk < kTransposeRows / 8 * kColBlocks; blk += kTransposeThreads / 32) {
+    const int r = (blk / kColBlocks) * 8 + lane % 8, c = (blk % kColBlocks) * 16 + (lane / 8) * 4;
+    if (r >= rows || c >= cols) continue;
+    const float* src = weights_row_column(p, static_cast<int64_t>(b) * TT + t0 + r, j0 + c);
+    float x[4];
+    if (vec4) {
+      hw::load_as_float<4>(src, x);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) x[k] = src[k];
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[(c + k) * kWeightsTPitch + r] = x[k];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < per_row * kRows; i += blockDim.x) {
-    const int j = i / kRows, r = i % kRows;
-    if (r >= rows) continue;
-    const int f = j / H, h = j % H;
-    wt[((static_cast<int64_t>(b) * H + h) * wfields + f) * TT + t0 + r] = s[j * (kRows + 1) + r];
+  for (int i = threadIdx.x; i < cols * kTransposeRows; i += blockDim.x) {
+    const int c = i / kTransposeRows, r = i % kTransposeRows, j = j0 + c;
+    if (r < rows)
+      wt[((static_cast<int64_t>(b) * H + j % H) * wfields + j / H) * TT + t0 + r] = s[c * kWeightsTPitch + r];
   }
 }
 

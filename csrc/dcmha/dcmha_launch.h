@@ -142,6 +142,19 @@ inline int64_t query_chunk_rows(const AttnParams& p, int64_t words) {
   return chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * (p.H / p.hg) * words * p.T * sizeof(PartWord));
 }
 
+// The grid of the weights transposes (dcmha_attn_weights_t, dcmha_attn_grads_untranspose):
+// (32 rows, b, 128 of the 20 H columns).
+inline dim3 transpose_grid(const AttnParams& p) {
+  return dim3(static_cast<unsigned>((p.T + kTransposeRows - 1) / kTransposeRows), static_cast<unsigned>(p.B),
+              static_cast<unsigned>((kWeightFields * p.H + kTransposeCols - 1) / kTransposeCols));
+}
+
+// Whether dcmha_attn_weights_t reads the weights in 16-byte chunks: w1, w2, g 16-byte
+// aligned (their rows are: 8 H, 8 H, 4 H floats).
+inline int weights_vec4(const AttnParams& p) {
+  return aligned16(p.w1) && aligned16(p.w2) && aligned16(p.g) ? 1 : 0;
+}
+
 // Query tiles of the chunk of rows [c0, c0 + rows) of a sequence of T rows.
 inline unsigned query_tiles(int64_t T, int64_t c0, int64_t rows) {
   return static_cast<unsigned>((std::min<int64_t>(rows, T - c0) + kTileRows - 1) / kTileRows);
@@ -183,7 +196,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
   mp.dv_pad = dv_pad;
   mp.vec16 = p.dh % 8 == 0 && p.dv % 8 == 0 && aligned16(q.data_ptr()) && aligned16(k.data_ptr()) &&
              aligned16(v.data_ptr()) && aligned16(out.data_ptr());
-  const size_t wt_smem = static_cast<size_t>(kWeightFields) * p.H * 33 * sizeof(float);
+  const size_t wt_smem = static_cast<size_t>(transpose_smem_bytes());
   const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad));
   const size_t out_smem = static_cast<size_t>(mma_out_smem_bytes(dh_pad, dv_pad));
   const unsigned bg = static_cast<unsigned>(p.B * groups);
@@ -199,8 +212,8 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
       hw::allow_dynamic_smem("dcmha_attention", ks, loop_smem);
       hw::allow_dynamic_smem("dcmha_attention", kp, loop_smem);
       hw::allow_dynamic_smem("dcmha_attention", ko, out_smem);
-      HW_LAUNCH("dcmha_attn_weights_t", kw, dim3(static_cast<unsigned>((p.T + 31) / 32), static_cast<unsigned>(p.B)),
-                dim3(kMmaThreads), wt_smem, p, wt.data_ptr<float>(), kWeightFields);
+      HW_LAUNCH("dcmha_attn_weights_t", kw, transpose_grid(p), dim3(kTransposeThreads), wt_smem, p,
+                wt.data_ptr<float>(), kWeightFields, weights_vec4(p));
       {
         at::Tensor split_stats = at::empty({splits, 2, p.B * p.H, stats_chunk}, fopt);
         mp.split_stats = split_stats.data_ptr<float>();
@@ -239,7 +252,7 @@ inline bool mma_backward_fits(const AttnParams& p, at::ScalarType dtype, int dh_
   const size_t limit = hw::max_dynamic_smem_optin();
   const int64_t need = std::max({mma_loop_smem_bytes(p.hg, dh_pad), bwd_sweep_smem_bytes(true, dh_pad, dv_pad),
                                  bwd_rows_smem_bytes(dh_pad, dv_pad), bwd_keys_smem_bytes(dh_pad, dv_pad),
-                                 static_cast<int64_t>(kWeightFields) * p.H * 33 * 4});
+                                 transpose_smem_bytes()});
   return dtype != at::kFloat && dh_pad <= 128 && dv_pad <= 128 && static_cast<size_t>(need) <= limit &&
          static_cast<int64_t>(p.B) * (p.H / p.hg) <= 65535 && p.B <= 65535 && p.H <= 65535 &&
          (static_cast<int64_t>(p.T) + kTileRows - 1) / kTileRows <= 65535;
@@ -285,7 +298,7 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   bp.gt = gt.data_ptr<float>();
   bp.rowsum_parts = rowsum_parts.data_ptr<float>();
   bp.rowsum_pitch = static_cast<int>(rowsum_pitch);
-  const size_t wt_smem = static_cast<size_t>(kWeightFields) * p.H * 33 * sizeof(float);
+  const size_t wt_smem = static_cast<size_t>(transpose_smem_bytes());
   const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad));
   const size_t post_smem = static_cast<size_t>(bwd_sweep_smem_bytes(false, dh_pad, dv_pad));
   const size_t pre_smem = static_cast<size_t>(bwd_sweep_smem_bytes(true, dh_pad, dv_pad));
@@ -311,8 +324,8 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
       hw::allow_dynamic_smem(op, k_rowsum, rows_smem);
       hw::allow_dynamic_smem(op, k_dq, rows_smem);
       hw::allow_dynamic_smem(op, k_keys, keys_smem);
-      HW_LAUNCH("dcmha_attn_weights_t", kw, dim3(static_cast<unsigned>((p.T + 31) / 32), B), dim3(kMmaThreads),
-                wt_smem, p, wt.data_ptr<float>(), kBwdWeightFields);
+      HW_LAUNCH("dcmha_attn_weights_t", kw, transpose_grid(p), dim3(kTransposeThreads), wt_smem, p,
+                wt.data_ptr<float>(), kBwdWeightFields, weights_vec4(p));
       for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
         bp.m.chunk0 = static_cast<int>(c0);
         const unsigned tiles = query_tiles(p.T, c0, chunk);
@@ -333,10 +346,9 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
     }
   });
   hw::allow_dynamic_smem("dcmha_attention_backward", &dcmha_attn_grads_untranspose, wt_smem);
-  HW_LAUNCH("dcmha_attn_grads_untranspose", dcmha_attn_grads_untranspose,
-            dim3(static_cast<unsigned>((p.T + 31) / 32), B), dim3(kMmaThreads), wt_smem, p,
-            static_cast<const float*>(gt.data_ptr<float>()), dw1.data_ptr<float>(), dw2.data_ptr<float>(),
-            dg.data_ptr<float>());
+  HW_LAUNCH("dcmha_attn_grads_untranspose", dcmha_attn_grads_untranspose, transpose_grid(p),
+            dim3(kTransposeThreads), wt_smem, p, static_cast<const float*>(gt.data_ptr<float>()),
+            dw1.data_ptr<float>(), dw2.data_ptr<float>(), dg.data_ptr<float>(), p.T % 4 == 0 ? 1 : 0);
   dk.copy_(dk32);
   dv.copy_(dv32);
 }
@@ -540,13 +552,12 @@ std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q
   const int dh_pad = pad16(s.head_dim), dv_pad = pad16(s.v_dim);
   // bf16 / fp16 with dv <= 128 take the tensor-core kernels (dcmha_attention_mma_kernel.cuh)
   // where their shared memory fits the device (the sweeps' row statistics grow with hg,
-  // 0.5 KiB a head; the weights transpose 2.6 KiB a head) and their grids fit CUDA's limits
-  // (B * groups on z); fp32, wider dv and the rest the SIMT kernel.
+  // 0.5 KiB a head) and their grids fit CUDA's limits (B * groups on z); fp32, wider dv
+  // and the rest the SIMT kernel.
   const size_t smem_limit = hw::max_dynamic_smem_optin();
   const bool tensor_cores = q.scalar_type() != at::kFloat && dv_pad <= 128 &&
                             static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad)) <= smem_limit &&
                             static_cast<size_t>(mma_out_smem_bytes(dh_pad, dv_pad)) <= smem_limit &&
-                            static_cast<size_t>(kWeightFields) * p.H * 33 * sizeof(float) <= smem_limit &&
                             s.batch * s.head_groups <= 65535 && s.batch <= 65535 && s.heads <= 65535 &&
                             (s.seq + kTileRows - 1) / kTileRows <= 65535;
   if (!tensor_cores) {
