@@ -278,9 +278,11 @@ __host__ __device__ inline int64_t bwd_keys_smem_bytes(int dh_pad, int dv_pad) {
 }
 
 // Launches 2 and 4: CTA per (kSweepSplitKeys keys, query tile of the chunk, b * G), like
-// launch 1's: one key tile, so the per-chunk launches fill the GPU.
+// launch 1's: one key tile, so the per-chunk launches fill the GPU. The dL' sweep's shared
+// memory (111 KiB at dh = dv = 128) leaves 2 CTAs an sm_90 SM: its bound of 2 lets ptxas
+// use the registers (at the default it stopped at 168 and spilled on sm_90).
 template <typename T, bool Pre>
-__global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_sweep(const MmaAttnBwdParams bp) {
+__global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const MmaAttnBwdParams bp) {
   const MmaAttnParams& mp = bp.m;
   const AttnParams& p = mp.f;
   const int H = p.H, TT = p.T, hg = p.hg, G = H / hg;
