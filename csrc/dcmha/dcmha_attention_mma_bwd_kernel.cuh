@@ -184,9 +184,8 @@ __device__ __forceinline__ void put_slot_grads(const MmaAttnBwdParams& bp, int64
 __global__ void __launch_bounds__(kTransposeThreads) dcmha_attn_grads_untranspose(const AttnParams p, const float* gt,
                                                                                   float* dw1, float* dw2, float* dg,
                                                                                   int vec4) {
-  const int b = blockIdx.y, t0 = blockIdx.x * kTransposeRows, j0 = blockIdx.z * kTransposeCols, H = p.H, TT = p.T;
-  const int rows = TT - t0 < kTransposeRows ? TT - t0 : kTransposeRows;
-  const int cols = kWeightFields * H - j0 < kTransposeCols ? kWeightFields * H - j0 : kTransposeCols;
+  const TransposeTile tile(p);
+  const int b = tile.b, t0 = tile.t0, j0 = tile.j0, rows = tile.rows, cols = tile.cols, H = p.H, TT = p.T;
   float* s = reinterpret_cast<float*>(hw::dynamic_shared_memory());  // [kTransposeCols][kGradsTPitch]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // The tile as 32 blocks of 4 columns x 32 rows, a warp's block per step.

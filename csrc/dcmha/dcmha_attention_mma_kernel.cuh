@@ -401,6 +401,16 @@ __host__ __device__ inline int64_t transpose_smem_bytes() {
   return int64_t(4) * kTransposeCols * (kWeightsTPitch > kGradsTPitch ? kWeightsTPitch : kGradsTPitch);
 }
 
+// A transpose CTA's tile: rows [t0, t0 + rows) of batch b, columns [j0, j0 + cols) of the 20 H.
+struct TransposeTile {
+  int b, t0, j0, rows, cols;
+  __device__ __forceinline__ explicit TransposeTile(const AttnParams& p)
+      : b(blockIdx.y), t0(blockIdx.x * kTransposeRows), j0(blockIdx.z * kTransposeCols) {
+    rows = p.T - t0 < kTransposeRows ? p.T - t0 : kTransposeRows;
+    cols = kWeightFields * p.H - j0 < kTransposeCols ? kWeightFields * p.H - j0 : kTransposeCols;
+  }
+};
+
 // Column j of a weights row: w1 [.., 8 H], then w2, then g [.., 4 H] (row = b T + t).
 __device__ __forceinline__ const float* weights_row_column(const AttnParams& p, int64_t row, int j) {
   const int H = p.H;
@@ -413,9 +423,8 @@ __device__ __forceinline__ const float* weights_row_column(const AttnParams& p, 
 // Stores: a warp one column's 32 rows (128 B).
 __global__ void __launch_bounds__(kTransposeThreads) dcmha_attn_weights_t(const AttnParams p, float* wt, int wfields,
                                                                           int vec4) {
-  const int b = blockIdx.y, t0 = blockIdx.x * kTransposeRows, j0 = blockIdx.z * kTransposeCols, H = p.H, TT = p.T;
-  const int rows = TT - t0 < kTransposeRows ? TT - t0 : kTransposeRows;
-  const int cols = kWeightFields * H - j0 < kTransposeCols ? kWeightFields * H - j0 : kTransposeCols;
+  const TransposeTile tile(p);
+  const int b = tile.b, t0 = tile.t0, j0 = tile.j0, rows = tile.rows, cols = tile.cols, H = p.H, TT = p.T;
   float* s = reinterpret_cast<float*>(hw::dynamic_shared_memory());  // [kTransposeCols][kWeightsTPitch]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // The tile's 32 x 128 cells as 4 blocks of 8 rows x 8 blocks of 16 columns, a warp's block a step.
