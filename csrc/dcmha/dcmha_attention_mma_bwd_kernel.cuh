@@ -63,7 +63,7 @@
 // Shared memory (the *_smem_bytes functions; ldq = dh_pad + 8, ldv = dv_pad + 8 elements), at
 // dh = dv = 128: the dL' sweep 111.2 KiB (double-buffered dO, V, Q, K tiles + the weights
 // of a query and a key tile), the dP' sweep 60.2 KiB, the row kernels 70.6 KiB, the key
-// kernel 106.4 KiB: sm_80 / sm_90 (163 / 227 KiB); the 99 KiB parts take the SIMT backward
+// kernel 108.5 KiB: sm_80 / sm_90 (163 / 227 KiB); the 99 KiB parts take the SIMT backward
 // at that size.
 #pragma once
 
@@ -87,6 +87,11 @@ constexpr int kKeyThreads = 32 * kKeyWarps;
 constexpr int kKeyHalfN8 = kQueryTileCols / 16;
 constexpr int kGradPitch = kQueryTileCols + 8;
 constexpr int kKeySlotGrads = 20;  // a thread's slot-1 and slot-3 grads of its 2 rows
+// The key kernel's side records (load_side_records): a query column's 13 fields at a pitch
+// of 20 floats, a key row's 10 at 12. A warp's side load reads 4 columns 2 apart (160 B:
+// banks 0, 8, 16, 24 + 4) or 8 consecutive rows (48 B: 8 disjoint runs of 4 banks), so
+// every 16-byte read is one wavefront.
+constexpr int kQueryRecord = 20, kKeyRecord = 12;
 // Launch 3's key splits per query tile, and its per-split sums of a row: the 5 slot-2
 // grads, then D. A constant, so the order of D's sums depends on the shape only.
 constexpr int kRowsumKeySplits = 3, kRowsumFields = 6;
@@ -173,7 +178,7 @@ __device__ __forceinline__ void put_slot_grads(const MmaAttnBwdParams& bp, int64
   float* g = bp.gt + head * kWeightFields * TT + x;
   float* dst[5] = {g + wfield_g(c) * TT, g + wfield_w1(c, 0) * TT, g + wfield_w1(c, 1) * TT,
                    g + wfield_w2(c, 0) * TT, g + wfield_w2(c, 1) * TT};
-#pragma unroll
+HW_UNROLL
   for (int i = 0; i < 5; ++i) *dst[i] = Add ? *dst[i] + acc[i] : acc[i];
 }
 
@@ -197,10 +202,10 @@ __global__ void __launch_bounds__(kTransposeThreads) dcmha_attn_grads_untranspos
     if (vec4 && r + 4 <= rows) {
       hw::load_as_float<4>(src, x);
     } else {
-#pragma unroll
+HW_UNROLL
       for (int k = 0; k < 4; ++k) x[k] = r + k < rows ? src[k] : 0.f;
     }
-#pragma unroll
+HW_UNROLL
     for (int k = 0; k < 4; ++k) s[c * kGradsTPitch + r + k] = x[k];
   }
   __syncthreads();
@@ -225,7 +230,7 @@ template <unsigned Mask>
 __device__ __forceinline__ void load_part_word_pair(PartWord (&w)[kBwdPartWords][2], const PartWord* part,
                                                     int64_t plane, int64_t at, bool in, bool pair, bool second) {
   const PartWord* src = part + at;
-#pragma unroll
+HW_UNROLL
   for (int i = 0; i < kBwdPartWords; ++i, src += plane) {
     w[i][0] = w[i][1] = 0u;
     if (((Mask >> i) & 1u) && in) load_part_words(src, w[i][0], w[i][1], pair, second);
@@ -237,7 +242,7 @@ __device__ __forceinline__ void load_part_word_pair(PartWord (&w)[kBwdPartWords]
 template <typename T, unsigned Mask>
 __device__ __forceinline__ void unpack_part_column(const PartWord (&w)[kBwdPartWords][2], int e, bool kept,
                                                    float (&pt)[kBwdPartFields]) {
-#pragma unroll
+HW_UNROLL
   for (int i = 0; i < kBwdPartWords; ++i) {
     const PartWord x = ((Mask >> i) & 1u) && kept ? (e == 0 ? w[i][0] : w[i][1]) : 0u;
     unpack_part<T>(x, pt[2 * i], pt[2 * i + 1]);
@@ -248,7 +253,7 @@ template <typename T, unsigned Mask>
 __device__ __forceinline__ void load_part_one(float (&pt)[kBwdPartFields], const PartWord* part, int64_t plane,
                                               int64_t at, bool in) {
   const PartWord* src = part + at;
-#pragma unroll
+HW_UNROLL
   for (int i = 0; i < kBwdPartWords; ++i, src += plane) {
     if (!((Mask >> i) & 1u)) continue;
     unpack_part<T>(in ? *src : 0u, pt[2 * i], pt[2 * i + 1]);
@@ -272,8 +277,8 @@ __host__ __device__ inline int64_t bwd_keys_smem_bytes(int dh_pad, int dv_pad) {
   const int64_t ldq = dh_pad + 8, ldv = dv_pad + 8;
   return int64_t(kTileRows) * (ldq + ldv) * 2 + int64_t(2) * kQueryTileCols * (ldq + ldv) * 2 +
          int64_t(2) * kTileRows * kGradPitch * 2 +
-         int64_t(4) * (2 * kQuerySide * (kQueryTileCols + 1) + kKeySide * kRowPitch +
-                       kTileRows * kKeySlotGrads / 2 + kKeyThreads * kKeySlotGrads);
+         int64_t(4) * (2 * kQueryTileCols * kQueryRecord + kTileRows * kKeyRecord + kTileRows * kKeySlotGrads / 2 +
+                       kKeyThreads * kKeySlotGrads);
 }
 
 // Launches 2 and 4: CTA per (kSweepSplitKeys keys, query tile of the chunk, b * G), like
@@ -338,18 +343,18 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
 
   PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
-  float sq[kR][kKeyN8][4], sk[kR][kKeyN8][4];  // (dc, dd) or (da, db) of the warp's 16 x 32 fragment
+  float sq[kR][kKeyN8][4] = {}, sk[kR][kKeyN8][4] = {};  // (dc, dd) or (da, db) of the warp's 16 x 32 fragment
   issue(0);
   for (int item = 0; item < n_items; ++item) {
     const int kt = kt_lo + item / hg, n = item % hg, stage = item & 1, s0 = kt * kTileKeys;
     __syncthreads();  // every warp is done with the stage of item - 1
     issue(item + 1);
     if (n == 0) {
-#pragma unroll
+HW_UNROLL
       for (int r = 0; r < kR; ++r)
-#pragma unroll
+HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
           for (int e = 0; e < 4; ++e) sq[r][j][e] = sk[r][j][e] = 0.f;
     }
     hw::cp_async_wait<1>();
@@ -361,9 +366,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
                  p.scale);
     const float* rows = rowf + stage * kQuerySide * kRowPitch;
     const float* cols = colf + stage * kKeySide * kColPitch;
-#pragma unroll
+HW_UNROLL
     for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = warp * 16 + gq + 8 * h, t = q0 + r, c = j * 8 + 2 * tq, s = s0 + c;
         const bool in = t < TT && s < TT;
@@ -373,7 +378,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
           load_part_word_pair<kMask>(pw, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in,
                                      s + 1 < TT && TT % 2 == 0, s + 1 < TT);
         const SmemSide qs{rows + r, kRowPitch};
-#pragma unroll
+HW_UNROLL
         for (int e2 = 0; e2 < 2; ++e2) {
           const int e = 2 * h + e2;
           const SmemSide ks{cols + c + e2, kColPitch};
@@ -384,14 +389,14 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
             unpack_part_column<T, kMask>(pw, e2, kept, pt);
             const float P = bwd_prob(sc[j][e], qs, ks, pt, kept);
             y = P * (bwd_grad_prob(dpp[j][e], qs, ks, pt) - qs[kStatD]);  // dL'
-#pragma unroll
+HW_UNROLL
             for (int rr = 0; rr < kR; ++rr) {
               sq[rr][j][e] += qs[kW2Pre + rr] * y;
               sk[rr][j][e] += ks[kW2Pre + rr] * y;
             }
           } else {
             y = kept ? dpp[j][e] : 0.f;
-#pragma unroll
+HW_UNROLL
             for (int rr = 0; rr < kR; ++rr) {
               sq[rr][j][e] += qs[kW2Post + rr] * y;
               sk[rr][j][e] += ks[kW2Post + rr] * y;
@@ -403,9 +408,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
       // The tile's 2 rank sums (both ranks a word) to the scratch planes of dc dd
       // (Pre = false) or da db.
       PartWord* planes = part + (Pre ? kPartDA : kPartDC) / 2 * plane;
-#pragma unroll
+HW_UNROLL
       for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
         for (int h = 0; h < 2; ++h) {
           const int r = warp * 16 + gq + 8 * h, t = q0 + r, s = s0 + j * 8 + 2 * tq;
           if (t >= TT || s >= TT) continue;
@@ -452,10 +457,10 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
 
   // The query side of this thread's two rows (D only once launch 3 has written it).
   float rq[2][kQuerySide];
-#pragma unroll
+HW_UNROLL
   for (int h = 0; h < 2; ++h) {
     const int t = q0 + warp * 16 + gq + 8 * h;
-#pragma unroll
+HW_UNROLL
     for (int f = 0; f < kQuerySide; ++f)
       rq[h][f] = t < TT && (Dq || f != kStatD) ? wt_head[static_cast<int64_t>(side_wfield(f, false)) * TT + t] : 0.f;
   }
@@ -500,16 +505,16 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
     qk_tile<T>(sc, qs, kbuf + stage * kTileKeys * ldq, ldq, mp.dh_pad, warp, lane, p.scale);
     qk_tile<T>(dpp, os, vbuf + stage * kTileKeys * ldv, ldv, mp.dv_pad, warp, lane, 1.f);
     const float* cols = colf + stage * kKeySide * kColPitch;
-#pragma unroll
+HW_UNROLL
     for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = warp * 16 + gq + 8 * h, t = q0 + r, c = j * 8 + 2 * tq, s = s0 + c;
         const bool in = t < TT && s < TT;
         PartWord pw[kBwdPartWords][2];
         load_part_word_pair<kMask>(pw, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in,
                                    s + 1 < TT && TT % 2 == 0, s + 1 < TT);
-#pragma unroll
+HW_UNROLL
         for (int e2 = 0; e2 < 2; ++e2) {
           const int e = 2 * h + e2;
           const SmemSide ks{cols + c + e2, kColPitch};
@@ -533,9 +538,9 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
     if (Dq) fragment_times_rows<T>(o, sc, kbuf + stage * kTileKeys * ldq, ldq, dh_n8, lane);
   }
   hw::cp_async_wait<0>();
-#pragma unroll
+HW_UNROLL
   for (int h = 0; h < 2; ++h) {
-#pragma unroll
+HW_UNROLL
     for (int i = 0; i < (Dq ? 5 : 6); ++i) acc[h][i] = quad_sum(acc[h][i]);
     const int t = q0 + warp * 16 + gq + 8 * h;
     if (tq == 0 && t < TT) {
@@ -543,7 +548,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
         put_slot_grads<false>(bp, head, t, 0, acc[h]);
       } else {
         float* dst = rowsum_parts_of(bp, head, split) + (t - mp.chunk0);
-#pragma unroll
+HW_UNROLL
         for (int i = 0; i < kRowsumFields; ++i) dst[i * bp.rowsum_pitch] = acc[h][i];
       }
     }
@@ -565,12 +570,12 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rowsum_combine(con
   if (r >= mp.chunk || t >= mp.f.T) return;
   const int64_t head = static_cast<int64_t>(blockIdx.z) * mp.f.H + blockIdx.y;
   float acc[kRowsumFields];
-#pragma unroll
+HW_UNROLL
   for (int i = 0; i < kRowsumFields; ++i) acc[i] = rowsum_parts_of(bp, head, 0)[i * bp.rowsum_pitch + r];
-#pragma unroll
+HW_UNROLL
   for (int split = 1; split < kRowsumKeySplits; ++split) {
     const float* src = rowsum_parts_of(bp, head, split) + r;
-#pragma unroll
+HW_UNROLL
     for (int i = 0; i < kRowsumFields; ++i) acc[i] += src[i * bp.rowsum_pitch];
   }
   put_slot_grads<false>(bp, head, t, 2, acc);
@@ -595,8 +600,10 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rowsum_combine(con
 // first) after the loop: a fixed order.
 // Registers: dv, dk accumulators of 16 keys x half the columns (2 x DTiles x 4) and the two
 // 16 x 16 score fragments (16); a thread's 20 slot grads wait in its own smem row between
-// query tiles. DTiles bounds half of max(dh_pad, dv_pad) / 8 (key_half_n8). 249-255
-// registers (1 CTA of 8 warps per SM), no spill (bench/ptxas_sm*.txt).
+// query tiles. The side weights of an n8 tile's elements (2 query columns x 13 fields, 2
+// key rows x 10) come from smem records by 16-byte loads, 14 per tile where scalar reads
+// of [field][position] tables took 46. DTiles bounds half of max(dh_pad, dv_pad) / 8
+// (key_half_n8). 228-238 registers (1 CTA of 8 warps per SM), no spill (bench/ptxas_sm*.txt).
 
 // The n8 tiles [first, first + count) of half hf of a d_pad-wide product: half 0 takes the
 // even number at or above n8 / 2, so that each half's tiles go in pairs.
@@ -625,7 +632,6 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8;
   const int dk0 = key_half_first(mp.dh_pad / 8, hf), dk8 = key_half_n8(mp.dh_pad / 8, hf);
   const int dv0 = key_half_first(mp.dv_pad / 8, hf), dv8 = key_half_n8(mp.dv_pad / 8, hf);
-  constexpr int kQPitch = kQueryTileCols + 1;
   const int64_t head = static_cast<int64_t>(b) * H + m;
 
   unsigned char* base = hw::dynamic_shared_memory();
@@ -637,9 +643,9 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   T* dlt = ppt + kTileRows * kGradPitch;          // [64][kGradPitch] (scale dL)^T
   // [kKeyThreads][kKeySlotGrads] (16-byte aligned rows): each thread's running slot grads
   float* own_block = reinterpret_cast<float*>(dlt + kTileRows * kGradPitch);
-  float* colf = own_block + kKeyThreads * kKeySlotGrads;  // [2][13][33]
-  float* rowk = colf + 2 * kQuerySide * kQPitch;  // [10][65] the key side of the CTA's rows
-  float* half1 = rowk + kKeySide * kRowPitch;     // [64][10] half 1's slot grads of each key
+  float* colf = own_block + kKeyThreads * kKeySlotGrads;  // [2][32][kQueryRecord] the query tiles' side records
+  float* rowk = colf + 2 * kQueryTileCols * kQueryRecord;  // [64][kKeyRecord] those of the CTA's keys
+  float* half1 = rowk + kTileRows * kKeyRecord;           // [64][10] half 1's slot grads of each key
   float* own = own_block + threadIdx.x * kKeySlotGrads;
 
   const T* q = static_cast<const T*>(p.q) + head * TT * p.dh;
@@ -648,9 +654,9 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   const PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
 
-  // The key side in smem (its 10 fields a row would take 20 registers); joins the first
-  // tile's commit group.
-  load_side_fields(rowk, wt_head, s0, kTileRows, kRowPitch, TT, 0x3ffu, kKeySide, true);
+  // The key side in smem (its 10 fields a row would take 20 registers through the kernel);
+  // joins the first tile's commit group.
+  load_side_records(rowk, wt_head, s0, kTileRows, kKeyRecord, TT, 0x3ffu, kKeySide, true);
   load_rows(ks, static_cast<const T*>(p.k) + head * TT * p.dh, s0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
   load_rows(vs, static_cast<const T*>(p.v) + head * TT * p.dv, s0, kTileRows, TT, p.dv, mp.dv_pad, mp.vec16);
   auto issue = [&](int i) {
@@ -658,8 +664,8 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
       const int t0 = t_lo + i * kQueryTileCols, stage = i & 1;
       load_rows(qbuf + stage * kQueryTileCols * ldq, q, t0, kQueryTileCols, TT, p.dh, mp.dh_pad, mp.vec16);
       load_rows(obuf + stage * kQueryTileCols * ldv, dout, t0, kQueryTileCols, TT, p.dv, mp.dv_pad, mp.vec16);
-      load_side_fields(colf + stage * kQuerySide * kQPitch, wt_head, t0, kQueryTileCols, kQPitch, TT, 0x1fffu,
-                       kQuerySide, false);
+      load_side_records(colf + stage * kQueryTileCols * kQueryRecord, wt_head, t0, kQueryTileCols, kQueryRecord, TT,
+                        0x1fffu, kQuerySide, false);
     }
     hw::cp_async_commit();
   };
@@ -670,17 +676,17 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   // The thread's running grads of slot 1 and slot 3, per row (key): in its smem row
   // between query tiles, so that no register holds them through the products.
   auto slot_grads = [&](float (&acc1)[2][5], float (&acc3)[2][5], bool store) {
-#pragma unroll
+HW_UNROLL
     for (int v = 0; v < kKeySlotGrads; v += 4) {
       float x[4];
       if (store) {
-#pragma unroll
+HW_UNROLL
         for (int u = 0; u < 4; ++u) x[u] = (v + u) % 10 < 5 ? acc1[(v + u) / 10][(v + u) % 10]
                                                              : acc3[(v + u) / 10][(v + u) % 10 - 5];
         hw::store_from_float<4>(own + v, x);
       } else {
         hw::load_as_float<4>(own + v, x);
-#pragma unroll
+HW_UNROLL
         for (int u = 0; u < 4; ++u) {
           if ((v + u) % 10 < 5) acc1[(v + u) / 10][(v + u) % 10] = x[u];
           else acc3[(v + u) / 10][(v + u) % 10 - 5] = x[u];
@@ -710,7 +716,7 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
     float sc[kKeyHalfN8][4], dpp[kKeyHalfN8][4];
     qk_tile<T>(sc, ks, qt + c_half * ldq, ldq, mp.dh_pad, slab, lane, p.scale);  // S^T: rows s, columns t
     qk_tile<T>(dpp, vs, ot + c_half * ldv, ldv, mp.dv_pad, slab, lane, 1.f);     // dP'^T = V dO^T
-    const float* cols = colf + stage * kQuerySide * kQPitch;
+    const float* cols = colf + stage * kQueryTileCols * kQueryRecord;
     float acc1[2][5], acc3[2][5];
     slot_grads(acc1, acc3, false);
     // One n8 tile of the fragments at a time, in a loop that is not unrolled: unrolled,
@@ -719,10 +725,18 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
     // the smem tiles as the A operands of the products, at (key r, query c): what the
     // fragments would pack.
     static_assert(kKeyHalfN8 == 2, "the element loop selects one of two n8 tiles");
-#pragma unroll 1
+HW_NO_UNROLL
     for (int j = 0; j < kKeyHalfN8; ++j) {
+      // The side records of the tile's elements: its 2 query columns (e & 1) and its 2 key
+      // rows (e >> 1), each read once.
+      float qside[2][kQuerySide], kside[2][kKeySide];
+HW_UNROLL
+      for (int u = 0; u < 2; ++u) {
+        load_side_record(qside[u], cols + (c_half + j * 8 + 2 * tq + u) * kQueryRecord);
+        load_side_record(kside[u], rowk + (slab * 16 + gq + 8 * u) * kKeyRecord);
+      }
       float pp[4], dl[4];
-#pragma unroll
+HW_UNROLL
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, r = slab * 16 + gq + 8 * h, c = c_half + j * 8 + 2 * tq + (e & 1);
         const int s = s0 + r, t = t0 + c;
@@ -733,19 +747,20 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
         // pairs keep their values: the scratch (zeroed once) holds this chunk's values for
         // each 64-row query tile's key band only, elsewhere older ones; masked pairs add 0.
         load_part_one<T, kMask>(pt, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in);
-#pragma unroll
+HW_UNROLL
         for (int f = 0; f < kBwdPartFields; ++f) pt[f] = kept ? pt[f] : 0.f;
-        const SmemSide qside{cols + c, kQPitch}, kside{rowk + r, kRowPitch};
+        const float(&qs)[kQuerySide] = qside[e & 1];
+        const float(&ks)[kKeySide] = kside[h];
         const float S = j == 0 ? sc[0][e] : sc[1][e];
-        const float P = bwd_prob(S, qside, kside, pt, kept);
+        const float P = bwd_prob(S, qs, ks, pt, kept);
         const float dPp = kept ? (j == 0 ? dpp[0][e] : dpp[1][e]) : 0.f;
-        const float dLp = P * (bwd_grad_prob(dPp, qside, kside, pt) - qside[kStatD]);
+        const float dLp = P * (bwd_grad_prob(dPp, qs, ks, pt) - qs[kStatD]);
         add_slot_grads(acc3[h], P, dPp, pt + kPartDD, pt + kPartD);
         add_slot_grads(acc1[h], S, dLp, pt + kPartDB, pt + kPartB);
-        pp[e] = bwd_post_prob(P, qside, kside, pt, kept);                   // P'
-        dl[e] = kept ? bwd_grad_logit(dLp, qside, kside, pt) * p.scale : 0.f;  // scale dL
+        pp[e] = bwd_post_prob(P, qs, ks, pt, kept);                   // P'
+        dl[e] = kept ? bwd_grad_logit(dLp, qs, ks, pt) * p.scale : 0.f;  // scale dL
       }
-#pragma unroll
+HW_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int at = (slab * 16 + gq + 8 * h) * kGradPitch + c_half + j * 8 + 2 * tq;
         *reinterpret_cast<uint32_t*>(ppt + at) = pack2<T>(pp[2 * h], pp[2 * h + 1]);
@@ -757,7 +772,7 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
     // dv += P'^T dO, dk += (scale dL)^T Q over the 32 queries: the slab's A rows by
     // ldmatrix, the query rows by ldmatrix.trans, half hf's n8 tiles.
     const int quad = lane / 8, rq8 = lane % 8;
-#pragma unroll
+HW_UNROLL
     for (int kk = 0; kk < kQueryTileCols / 16; ++kk) {
       const int a_at = (slab * 16 + (quad & 1) * 8 + rq8) * kGradPitch + kk * 16 + (quad >> 1) * 8;
       uint32_t fa[4];
@@ -770,10 +785,10 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   hw::cp_async_wait<0>();
   // Add this chunk's share to the fp32 dk / dv rows.
   auto add_rows = [&](const float (&o)[DTiles][4], float* dst, int d, int j0, int n8) {
-#pragma unroll
+HW_UNROLL
     for (int j = 0; j < DTiles; ++j) {
       if (j >= n8) break;
-#pragma unroll
+HW_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int s = s0 + slab * 16 + gq + 8 * h, c = (j0 + j) * 8 + 2 * tq;
         if (s >= TT) continue;
@@ -796,18 +811,18 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   // The key-slot grads: each half's quad sums, half 1's through smem, added to half 0's.
   float acc1[2][5], acc3[2][5];
   slot_grads(acc1, acc3, false);
-#pragma unroll
+HW_UNROLL
   for (int h = 0; h < 2; ++h)
-#pragma unroll
+HW_UNROLL
     for (int i = 0; i < 5; ++i) {
       acc1[h][i] = quad_sum(acc1[h][i]);
       acc3[h][i] = quad_sum(acc3[h][i]);
     }
   if (hf == 1 && tq == 0) {
-#pragma unroll
+HW_UNROLL
     for (int h = 0; h < 2; ++h) {
       float* x = half1 + (slab * 16 + gq + 8 * h) * (kKeySlotGrads / 2);
-#pragma unroll
+HW_UNROLL
       for (int i = 0; i < 5; ++i) {
         x[i] = acc1[h][i];
         x[5 + i] = acc3[h][i];
@@ -816,12 +831,12 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   }
   __syncthreads();
   if (hf == 0 && tq == 0) {
-#pragma unroll
+HW_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int r = slab * 16 + gq + 8 * h, s = s0 + r;
       if (s >= TT) continue;
       const float* x = half1 + r * (kKeySlotGrads / 2);
-#pragma unroll
+HW_UNROLL
       for (int i = 0; i < 5; ++i) {
         acc1[h][i] += x[i];
         acc3[h][i] += x[5 + i];

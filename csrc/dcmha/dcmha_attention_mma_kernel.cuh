@@ -81,6 +81,7 @@
 
 #include "../common/mma_primitives.cuh"
 #include "../common/simt_portability.h"
+#include "../common/unroll.h"
 #include "../common/vec.cuh"
 #include "dcmha_attention_kernel.cuh"
 
@@ -277,15 +278,51 @@ __device__ __forceinline__ void load_side_fields(float* dst, const float* wt_hea
   }
 }
 
+// The same fields, position-major: field f of position x0 + c at dst[c * pitch + f], a
+// record per position that one thread reads by 16-byte loads (load_side_record). Consecutive
+// threads take consecutive positions of a field: the global reads stay coalesced.
+__device__ __forceinline__ void load_side_records(float* dst, const float* wt_head, int x0, int n, int pitch,
+                                                  int TT, unsigned mask, int nfields, bool key) {
+  for (int i = threadIdx.x; i < nfields * n; i += blockDim.x) {
+    const int f = i / n, c = i % n, x = x0 + c;
+    if (!((mask >> f) & 1u)) continue;
+    const bool inside = x < TT;
+    hw::cp_async_ca<4>(dst + c * pitch + f, inside ? wt_head + static_cast<int64_t>(side_wfield(f, key)) * TT + x
+                                                  : wt_head,
+                       inside ? 4 : 0);
+  }
+}
+
+// Fields [0, N) of one position's side record (p 16-byte aligned) into registers: a 16-byte
+// load per 4 fields, then a pair and a single where N leaves them.
+template <int N>
+__device__ __forceinline__ void load_side_record(float (&v)[N], const float* p) {
+  HW_UNROLL
+  for (int f = 0; f + 4 <= N; f += 4) {
+    float x[4];
+    hw::load_as_float<4>(p + f, x);
+    HW_UNROLL
+    for (int u = 0; u < 4; ++u) v[f + u] = x[u];
+  }
+  constexpr int kQuads = N / 4 * 4;
+  if constexpr (N % 4 >= 2) {
+    float x[2];
+    hw::load_as_float<2>(p + kQuads, x);
+    v[kQuads] = x[0];
+    v[kQuads + 1] = x[1];
+  }
+  if constexpr (N % 2 == 1) v[N - 1] = p[N - 1];
+}
+
 // S[16 x 8 N8] of this warp: rows 16 warp.. of the Q tile times the first 8 N8 rows of the
 // K tile (both [.][ld]); N8 even (kKeyN8: a whole key tile).
 template <typename T, int N8>
 __device__ __forceinline__ void qk_tile(float (&acc)[N8][4], const T* qs, const T* ks, int ld, int d_pad, int warp,
                                         int lane, float scale) {
   static_assert(N8 % 2 == 0, "n8 tiles in pairs (one ldmatrix.x4 each)");
-#pragma unroll
+HW_UNROLL
   for (int j = 0; j < N8; ++j)
-#pragma unroll
+HW_UNROLL
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
   const int quad = lane / 8, rq = lane % 8;
   const int a_row = warp * 16 + (quad & 1) * 8 + rq, a_col = (quad >> 1) * 8;
@@ -293,7 +330,7 @@ __device__ __forceinline__ void qk_tile(float (&acc)[N8][4], const T* qs, const 
   for (int k0 = 0; k0 < d_pad; k0 += 16) {
     uint32_t fa[4];
     hw::ldmatrix<4>(fa, qs + a_row * ld + k0 + a_col);
-#pragma unroll
+HW_UNROLL
     for (int j = 0; j < N8; j += 2) {
       uint32_t r[4];
       hw::ldmatrix<4>(r, ks + (j * 8 + b_row) * ld + k0 + b_col);
@@ -302,18 +339,18 @@ __device__ __forceinline__ void qk_tile(float (&acc)[N8][4], const T* qs, const 
       mma_bf<T>(acc[j + 1], fa, b1);
     }
   }
-#pragma unroll
+HW_UNROLL
   for (int j = 0; j < N8; ++j)
-#pragma unroll
+HW_UNROLL
     for (int e = 0; e < 4; ++e) acc[j][e] *= scale;
 }
 
 // Every element of a register tile to 0.
 template <int M, int N>
 __device__ __forceinline__ void zero_tile(float (&a)[M][N]) {
-#pragma unroll
+HW_UNROLL
   for (int i = 0; i < M; ++i)
-#pragma unroll
+HW_UNROLL
     for (int j = 0; j < N; ++j) a[i][j] = 0.f;
 }
 
@@ -323,7 +360,7 @@ template <typename T, int DTiles>
 __device__ __forceinline__ void a_times_rows_k16(float (&o)[DTiles][4], const uint32_t (&fa)[4], const T* rows, int ld,
                                                  int n8, int lane) {
   const int quad = lane / 8, rq8 = lane % 8;
-#pragma unroll
+HW_UNROLL
   for (int j = 0; j < DTiles; j += 2) {
     if (j >= n8) break;
     uint32_t r[4];
@@ -340,7 +377,7 @@ __device__ __forceinline__ void a_times_rows_k16(float (&o)[DTiles][4], const ui
 template <typename T, int DTiles>
 __device__ __forceinline__ void fragment_times_rows(float (&o)[DTiles][4], const float (&acc)[kKeyN8][4], const T* rows,
                                                     int ld, int n8, int lane) {
-#pragma unroll
+HW_UNROLL
   for (int kk = 0; kk < kTileKeys / 16; ++kk) {
     uint32_t fa[4];
     fa[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
@@ -358,10 +395,10 @@ template <typename T, int DTiles>
 __device__ __forceinline__ void store_row_tile(const float (&o)[DTiles][4], T* stage, int ld, int n8, T* out, int q0,
                                                int TT, int d, int vec16, int warp, int lane) {
   const int gq = lane / 4, tq = lane % 4;
-#pragma unroll
+HW_UNROLL
   for (int j = 0; j < DTiles; ++j) {
     if (j >= n8) break;
-#pragma unroll
+HW_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int r = warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq;
       stage[r * ld + c] = static_cast<T>(o[j][2 * h]);
@@ -437,10 +474,10 @@ __global__ void __launch_bounds__(kTransposeThreads) dcmha_attn_weights_t(const 
     if (vec4) {
       hw::load_as_float<4>(src, x);
     } else {
-#pragma unroll
+HW_UNROLL
       for (int k = 0; k < 4; ++k) x[k] = src[k];
     }
-#pragma unroll
+HW_UNROLL
     for (int k = 0; k < 4; ++k) s[(c + k) * kWeightsTPitch + r] = x[k];
   }
   __syncthreads();
@@ -522,8 +559,8 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
     hw::cp_async_commit();
   };
 
-  float pa[kR][kKeyN8][4], pb[kR][kKeyN8][4];  // a_r, b_r of the warp's 16 x 32 fragment
-  float pc[kR][kKeyN8][4], pd[kR][kKeyN8][4];  // c_r, d_r (Partials)
+  float pa[kR][kKeyN8][4] = {}, pb[kR][kKeyN8][4] = {};  // a_r, b_r of the warp's 16 x 32 fragment
+  float pc[kR][kKeyN8][4] = {}, pd[kR][kKeyN8][4] = {};  // c_r, d_r (Partials)
   issue(0);
   for (int item = 0; item < n_items; ++item) {
     const int kt = kt_lo + item / (2 * hg), sweep = (item / hg) % 2, n = item % hg, stage = item & 1;
@@ -532,11 +569,11 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
     issue(item + 1);
     if (sweep == 0 && n == 0) {
       // A new key tile: zero partials.
-#pragma unroll
+HW_UNROLL
       for (int r = 0; r < kR; ++r)
-#pragma unroll
+HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
           for (int e = 0; e < 4; ++e) pa[r][j][e] = pb[r][j][e] = pc[r][j][e] = pd[r][j][e] = 0.f;
     }
     hw::cp_async_wait<1>();
@@ -548,12 +585,12 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
     const float* cwn = colf + stage * kLoopFields * kColPitch;
     constexpr int fs_r = kRowPitch, fs_c = kColPitch;
     if (sweep == 0) {
-#pragma unroll
+HW_UNROLL
       for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
         for (int e = 0; e < 4; ++e) {
           const int r = warp * 16 + gq + 8 * (e >> 1), c = j * 8 + 2 * tq + (e & 1);
-#pragma unroll
+HW_UNROLL
           for (int rr = 0; rr < kR; ++rr) {
             pa[rr][j][e] += rwn[rr * fs_r + r] * acc[j][e];
             pb[rr][j][e] += cwn[rr * fs_c + c] * acc[j][e];
@@ -564,13 +601,13 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
     // Sweep B: the composed logits of head n.
     float lg[kKeyN8][4];
     bool kept[kKeyN8][4];
-#pragma unroll
+HW_UNROLL
     for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
       for (int e = 0; e < 4; ++e) {
         const int r = warp * 16 + gq + 8 * (e >> 1), c = j * 8 + 2 * tq + (e & 1);
         float x = acc[j][e] * (1.f + rwn[4 * fs_r + r] + cwn[4 * fs_c + c]);
-#pragma unroll
+HW_UNROLL
         for (int rr = 0; rr < kR; ++rr)
           x += rwn[(2 + rr) * fs_r + r] * pa[rr][j][e] + cwn[(2 + rr) * fs_c + c] * pb[rr][j][e];
         lg[j][e] = x;
@@ -578,13 +615,13 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
       }
     if constexpr (!Partials) {
       // Online row max and sum of head n over the warp's rows (quad = the 4 lanes of a row).
-#pragma unroll
+HW_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = warp * 16 + gq + 8 * h;
         float mx = -INFINITY;
-#pragma unroll
+HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
           for (int e2 = 0; e2 < 2; ++e2)
             if (kept[j][2 * h + e2]) mx = fmaxf(mx, lg[j][2 * h + e2]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -593,9 +630,9 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
         const float m_new = fmaxf(m_old, mx);
         float sum = 0.f;
         if (m_new != -INFINITY) {
-#pragma unroll
+HW_UNROLL
           for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
             for (int e2 = 0; e2 < 2; ++e2)
               if (kept[j][2 * h + e2]) sum += expf(lg[j][2 * h + e2] - m_new);
         }
@@ -613,13 +650,13 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
       }
     } else {
       // Partials: P_n and the post partials.
-#pragma unroll
+HW_UNROLL
       for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
         for (int e = 0; e < 4; ++e) {
           const int r = warp * 16 + gq + 8 * (e >> 1), c = j * 8 + 2 * tq + (e & 1);
           const float prob = kept[j][e] ? expf(lg[j][e] - st_m[n * kTileRows + r]) * st_z[n * kTileRows + r] : 0.f;
-#pragma unroll
+HW_UNROLL
           for (int rr = 0; rr < kR; ++rr) {
             pc[rr][j][e] += rwn[(5 + rr) * fs_r + r] * prob;
             pd[rr][j][e] += cwn[(5 + rr) * fs_c + c] * prob;
@@ -629,14 +666,14 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
         // The tile's 4 partials (a, b, c, d; both ranks a word) to the scratch [bg][4][chunk][T].
         PartWord* out = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
         const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
-#pragma unroll
+HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
           for (int h = 0; h < 2; ++h) {
             const int r = warp * 16 + gq + 8 * h, t = q0 + r, s = s0 + j * 8 + 2 * tq;
             if (t >= TT || s >= TT) continue;
             PartWord w[4][2];
-#pragma unroll
+HW_UNROLL
             for (int e2 = 0; e2 < 2; ++e2) {
               const int e = 2 * h + e2;
               w[0][e2] = pack_part<T>(pa[0][j][e], pa[1][j][e]);
@@ -646,7 +683,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
             }
             const bool pair = s + 1 < TT && (TT % 2 == 0), second = s + 1 < TT;
             PartWord* dst = out + static_cast<int64_t>(t - mp.chunk0) * TT + s;
-#pragma unroll
+HW_UNROLL
             for (int x = 0; x < 4; ++x, dst += plane) store_part_words(dst, w[x][0], w[x][1], pair, second);
           }
       }
@@ -728,7 +765,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
 
   // Row constants of this thread's two rows.
   float rq[2][8];  // W2pre r0 r1, Gpre, W2post r0 r1, Gpost, M, 1/Z
-#pragma unroll
+HW_UNROLL
   for (int h = 0; h < 2; ++h) {
     const int t = q0 + warp * 16 + gq + 8 * h;
     const bool in = t < TT;
@@ -776,9 +813,9 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
     qk_tile<T>(acc, qs, kbuf + stage * kTileKeys * ldq, ldq, mp.dh_pad, warp, lane, p.scale);
     const float* cws = cw + stage * kOutFields * kTileKeys;
     // Compose on the fragments: L -> P -> P'.
-#pragma unroll
+HW_UNROLL
     for (int j = 0; j < kKeyN8; ++j)
-#pragma unroll
+HW_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = warp * 16 + gq + 8 * h, t = q0 + r, c = j * 8 + 2 * tq, s = s0 + c;
         float pv[8][2];
@@ -786,7 +823,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
         if (in) {
           const bool pair = s + 1 < TT && (TT % 2 == 0);
           const PartWord* src = part + static_cast<int64_t>(t - mp.chunk0) * TT + s;
-#pragma unroll
+HW_UNROLL
           for (int x = 0; x < 4; ++x, src += plane) {
             PartWord w0, w1;
             load_part_words(src, w0, w1, pair, s + 1 < TT);
@@ -794,7 +831,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
             unpack_part<T>(w1, pv[2 * x][1], pv[2 * x + 1][1]);
           }
         }
-#pragma unroll
+HW_UNROLL
         for (int e2 = 0; e2 < 2; ++e2) {
           const int e = 2 * h + e2, cc = c + e2;
           float y = 0.f;
