@@ -20,24 +20,25 @@
 //   0. dcmha_attn_weights_t: the weights transposed to head-major [B, H, 20, T] fp32
 //      (fields 0-7 W1[c][r], 8-15 W2[c][r], 16-19 G[c]): O(B H T), so that every later
 //      weight read is a contiguous run along t or s (coalesced).
-//   1. dcmha_attn_stats: CTA per (256-key split, 64-row query tile, b * group), looping
+//   1. dcmha_attn_stats: CTA per (64-key split, 64-row query tile, b * group), looping
 //      the key tiles of the band within the split; per key tile two sweeps over the
 //      group's heads (each head: Q_n and K_n tiles and the row and column weights the
 //      sweep reads, one cp.async group, double-buffered across heads): sweep A accumulates
-//      a_r, b_r in registers, sweep B recomputes S_n, forms L_n and updates the online row
-//      max M_n and sum Z_n (shared memory, one warp owns its 16 rows: no cross-warp
-//      reduction). Writes the split's (M, Z) to split_stats [splits, 2, B H, chunk].
-//      The split bounds a CTA's work by 8 key tiles: unsplit, a causal CTA's work grows
-//      with its query tile (the last tile's 128 key tiles at B = 8, T = 4096 are half of
-//      the 252 an SM averages over the launch), and the longest CTAs set the kernel's time.
-//      It runs per statistics chunk (all T rows where split_stats fits the scratch cap).
+//      a_r, b_r in registers and, complete, rounds them to the scratch's words and stores
+//      them (words 0-1 of the chunk's scratch); sweep B recomputes S_n, forms L_n from the
+//      rounded a, b and updates the online row max M_n and sum Z_n (shared memory, one
+//      warp owns its 16 rows: no cross-warp reduction). Writes the split's (M, Z) to
+//      split_stats [splits, 2, B H, chunk]. The split bounds a CTA's work by 2 key tiles:
+//      unsplit, a causal CTA's work grows with its query tile, and the longest CTAs set
+//      the kernel's time; small splits also fill the GPU in a causal band's early chunks.
 //   1b. dcmha_attn_stats_combine: thread per (row, b, head): M = max_i M_i,
 //      Z = sum_i Z_i exp(M_i - M) over the splits of the row's band in split order; writes
 //      stats [2, B, H, T] (M, Z), the layout the backward reads.
-//   2. dcmha_attn_partials: CTA per (32-key tile, query tile, b * group): the same two
-//      sweeps, sweep B forming P_n (from M, Z) and accumulating c_r, d_r; writes the 8
-//      partials of its (t, s) tile to the scratch [B * G, 4, chunk, T] of PartWords (both
-//      ranks of a, b, c, d as one word of two T, below). Its (t, s)
+//   2. dcmha_attn_partials: CTA per (32-key tile, query tile, b * group): a, b of the tile
+//      from the scratch (ab_saved; the backward, which has no statistics sweep, runs sweep A
+//      as kernel 1 does), then sweep B forming P_n (from M, Z) and accumulating c_r, d_r;
+//      writes c, d of its (t, s) tile to the scratch [B * G, 4, chunk, T] of PartWords (both
+//      ranks of a partial as one word of two T, below). Its (t, s)
 //      tiles are independent (no combine), so a CTA holds one key tile: the sweep runs a
 //      launch per query chunk (its scratch bounds the chunk), and one key tile a CTA
 //      gives even a causal band's early chunks enough CTAs to fill the GPU (256-key
@@ -47,11 +48,10 @@
 //      partials of the tile read from the scratch, L_m -> P_m -> P'_m on the fragments,
 //      P'_m packed to bf16/fp16 A fragments, O_m += P'_m V_m on mma (V by ldmatrix.trans).
 //      O is staged through shared memory and stored in 16-byte chunks.
-// Kernels 2 and 3 run once per query chunk of `chunk` rows: the scratch is
+// Kernels 1-3 run once per query chunk of `chunk` rows: the scratch is
 // B * G * 4 * chunk * T * 4 bytes, with chunk = a multiple of 64 chosen by the launcher so
-// the scratch stays under kScratchBytes (256 MiB) or is 64 rows (the bound); split_stats
-// (B * H * 2 * ceil(T / 256) * 4 bytes a row) is bounded by the same cap, its chunk chosen
-// alike. No tensor of size T * S exists; the saved statistics are O(B H T).
+// the scratch and split_stats (B * H * 2 * ceil(T / 64) * 4 bytes a row) stay under
+// kScratchBytes (256 MiB) or it is 64 rows (the bound). No tensor of size T * S exists; the saved statistics are O(B H T).
 //
 // Why this split: the heads of a group are coupled twice per (t, s) (pre and post compose)
 // and the post compose needs every head's final softmax statistics, so each (t, s) tile is
@@ -63,8 +63,8 @@
 // kernel uses no sm_90-only feature, so sm_80 runs the same design.
 //
 // Budget per kept (t, s) and group of hg heads (dh = dv = d, causal halves the pairs):
-//   FLOPs: stats 2 hg (2 d) + partials 2 hg (2 d) + output hg (2 d + 2 d) = 12 hg d, against
-//   4 hg d for plain attention (3x), plus ~60 hg FLOPs of compose on the CUDA cores.
+//   FLOPs: stats 2 hg (2 d) + partials hg (2 d) + output hg (2 d + 2 d) = 10 hg d, against
+//   4 hg d for plain attention (2.5x), plus ~60 hg FLOPs of compose on the CUDA cores.
 //   Bytes: Q_n and K_n tiles re-read per key tile and sweep (L2; K/V reused by 64 query
 //   rows), the scratch written once (16 B per (t, s) and group) and read once per head
 //   (16 hg B per (t, s), L2-resident when the chunk's partials fit in L2).
@@ -99,7 +99,7 @@ constexpr int kTileKeys = 32;   // keys per tile
 constexpr int kMmaThreads = 128;
 constexpr int kKeyN8 = kTileKeys / 8;         // n8 tiles of a key tile
 constexpr int kWeightFields = 20;             // W1[4][2], W2[4][2], G[4]
-constexpr int kStatsSplitKeys = 256;          // keys per CTA of the statistics sweep (split_stats)
+constexpr int kStatsSplitKeys = 64;           // keys per CTA of the statistics sweep (split_stats)
 constexpr int kSweepSplitKeys = 32;           // keys per CTA of the sweeps that write the scratch
 constexpr int kRowPitch = kTileRows + 1;      // smem pitch of a head's row weights
 constexpr int kColPitch = kTileKeys + 1;
@@ -114,6 +114,8 @@ struct MmaAttnParams {
   float* split_stats;  // [splits, 2, B * H, chunk]: (M, Z) of each key split, by the statistics sweep
   int wfields;       // kWeightFields in the forward, kBwdWeightFields in the backward
   int pwords;        // 4 in the forward, kBwdPartWords in the backward
+  int ab_saved;      // 1: the statistics sweep wrote words 0-1 (a, b) of the chunk; the partials sweep
+                     // reads them and skips its sweep A (the forward); 0: it makes them (the backward)
   int chunk0;        // first query row of this chunk
   int split0;        // key split of a sweep's blockIdx.x = 0 (the splits before the chunk's band have no work)
   int chunk;         // rows of the scratch (a multiple of 64)
@@ -238,6 +240,50 @@ __device__ __forceinline__ void load_part_words(const PartWord* src, PartWord& w
     w0 = src[0];
     w1 = second ? src[1] : 0u;
   }
+}
+
+// a_r, b_r of a warp's 16 x 32 fragment (pa, pb [r][n8 tile][element]) and scratch words 0-1
+// of the tile: element e of n8 tile j is (row 16 warp + lane / 4 + 8 (e >> 1), column 8 j +
+// 2 (lane % 4) + (e & 1)), at tile[row * T + column] of planes 0 (a) and 1 (b = tile + plane);
+// rows and keys are the tile's rows and keys before T (no word past them is read or written).
+template <typename T>
+__device__ __forceinline__ void round_ab(float (&pa)[kR][kKeyN8][4], float (&pb)[kR][kKeyN8][4]) {
+HW_UNROLL
+  for (int j = 0; j < kKeyN8; ++j)
+HW_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      unpack_part<T>(pack_part<T>(pa[0][j][e], pa[1][j][e]), pa[0][j][e], pa[1][j][e]);
+      unpack_part<T>(pack_part<T>(pb[0][j][e], pb[1][j][e]), pb[0][j][e], pb[1][j][e]);
+    }
+}
+template <typename T, bool Store>
+__device__ __forceinline__ void ab_words(float (&pa)[kR][kKeyN8][4], float (&pb)[kR][kKeyN8][4], PartWord* tile,
+                                         int64_t plane, int TT, int rows, int keys, int warp, int lane) {
+  const int gq = lane / 4, tq = lane % 4;
+HW_UNROLL
+  for (int j = 0; j < kKeyN8; ++j)
+HW_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq;
+      if (r >= rows || c >= keys) continue;
+      const bool pair = c + 1 < keys && TT % 2 == 0, second = c + 1 < keys;
+      PartWord* a = tile + static_cast<int64_t>(r) * TT + c;
+      if constexpr (Store) {
+        store_part_words(a, pack_part<T>(pa[0][j][2 * h], pa[1][j][2 * h]),
+                         pack_part<T>(pa[0][j][2 * h + 1], pa[1][j][2 * h + 1]), pair, second);
+        store_part_words(a + plane, pack_part<T>(pb[0][j][2 * h], pb[1][j][2 * h]),
+                         pack_part<T>(pb[0][j][2 * h + 1], pb[1][j][2 * h + 1]), pair, second);
+      } else {
+        PartWord w[2][2];
+        load_part_words(a, w[0][0], w[0][1], pair, second);
+        load_part_words(a + plane, w[1][0], w[1][1], pair, second);
+HW_UNROLL
+        for (int e2 = 0; e2 < 2; ++e2) {
+          unpack_part<T>(w[0][e2], pa[0][j][2 * h + e2], pa[1][j][2 * h + e2]);
+          unpack_part<T>(w[1][e2], pb[0][j][2 * h + e2], pb[1][j][2 * h + e2]);
+        }
+      }
+    }
 }
 
 // Rows [r0, r0 + rows) of a [T, d] row-major matrix into smem [rows][ld] (ld = d_pad + 8),
@@ -540,11 +586,18 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   }
 
   // Item = (key tile, sweep, head n): head n's Q and K tiles and the sides of its sweep,
-  // one commit group, double-buffered.
-  const int n_items = (kt_hi - kt_lo) * 2 * hg;
+  // one commit group, double-buffered. Where a, b are saved, a key tile's items are sweep B's.
+  const bool ab_saved = Partials && mp.ab_saved;
+  const int sweeps = ab_saved ? 1 : 2;
+  const int n_items = (kt_hi - kt_lo) * sweeps * hg;
+  auto item_sweep = [&](int item) { return ab_saved ? 1 : (item / hg) % 2; };
+  // This group's scratch [4 or kBwdPartWords][chunk][T] of the chunk.
+  PartWord* const scratch = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
+  const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
+  auto tile_words = [&](int s0) { return scratch + static_cast<int64_t>(q0 - mp.chunk0) * TT + s0; };
   auto issue = [&](int item) {
     if (item < n_items) {
-      const int kt = kt_lo + item / (2 * hg), sweep = (item / hg) % 2, n = item % hg, stage = item & 1;
+      const int kt = kt_lo + item / (sweeps * hg), sweep = item_sweep(item), n = item % hg, stage = item & 1;
       const int64_t head = static_cast<int64_t>(bg) * hg + n;
       load_rows(qbuf + stage * kTileRows * ldq, q + head * TT * p.dh, q0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
       load_rows(kbuf + stage * kTileKeys * ldq, k + head * TT * p.dh, kt * kTileKeys, kTileKeys, TT, p.dh, mp.dh_pad,
@@ -563,18 +616,21 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   float pc[kR][kKeyN8][4] = {}, pd[kR][kKeyN8][4] = {};  // c_r, d_r (Partials)
   issue(0);
   for (int item = 0; item < n_items; ++item) {
-    const int kt = kt_lo + item / (2 * hg), sweep = (item / hg) % 2, n = item % hg, stage = item & 1;
+    const int kt = kt_lo + item / (sweeps * hg), sweep = item_sweep(item), n = item % hg, stage = item & 1;
     const int s0 = kt * kTileKeys;
     __syncthreads();  // every warp is done with the stage of item - 1
     issue(item + 1);
-    if (sweep == 0 && n == 0) {
-      // A new key tile: zero partials.
-HW_UNROLL
-      for (int r = 0; r < kR; ++r)
-HW_UNROLL
-        for (int j = 0; j < kKeyN8; ++j)
-HW_UNROLL
-          for (int e = 0; e < 4; ++e) pa[r][j][e] = pb[r][j][e] = pc[r][j][e] = pd[r][j][e] = 0.f;
+    if (item % (sweeps * hg) == 0) {
+      // A new key tile: zero partials, or a, b of the statistics sweep from the scratch.
+      zero_tile(pc[0]);
+      zero_tile(pc[1]);
+      zero_tile(pd[0]);
+      zero_tile(pd[1]);
+      zero_tile(pa[0]);
+      zero_tile(pa[1]);
+      zero_tile(pb[0]);
+      zero_tile(pb[1]);
+      if (ab_saved) ab_words<T, false>(pa, pb, tile_words(s0), plane, TT, TT - q0, TT - s0, warp, lane);
     }
     hw::cp_async_wait<1>();
     __syncthreads();
@@ -596,6 +652,14 @@ HW_UNROLL
             pb[rr][j][e] += cwn[rr * fs_c + c] * acc[j][e];
           }
         }
+      if (n == hg - 1) {
+        // a, b of the tile are complete: every later use (sweep B's logits here, the partials,
+        // output and backward kernels) takes them as the scratch holds them, rounded to T, so
+        // M and Z are the statistics of exactly the logits those kernels form. The statistics
+        // sweep stores them (words 0-1) for the forward's partials sweep.
+        round_ab<T>(pa, pb);
+        if constexpr (!Partials) ab_words<T, true>(pa, pb, tile_words(s0), plane, TT, TT - q0, TT - s0, warp, lane);
+      }
       continue;
     }
     // Sweep B: the composed logits of head n.
@@ -663,9 +727,9 @@ HW_UNROLL
           }
         }
       if (n == hg - 1) {
-        // The tile's 4 partials (a, b, c, d; both ranks a word) to the scratch [bg][4][chunk][T].
-        PartWord* out = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
-        const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
+        // The tile's 4 partials (a, b, c, d; both ranks a word) to the scratch [bg][4][chunk][T]
+        // (c, d where the statistics sweep stored a, b).
+        PartWord* out = scratch;
 HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
 HW_UNROLL
@@ -684,7 +748,8 @@ HW_UNROLL
             const bool pair = s + 1 < TT && (TT % 2 == 0), second = s + 1 < TT;
             PartWord* dst = out + static_cast<int64_t>(t - mp.chunk0) * TT + s;
 HW_UNROLL
-            for (int x = 0; x < 4; ++x, dst += plane) store_part_words(dst, w[x][0], w[x][1], pair, second);
+            for (int x = 0; x < 4; ++x, dst += plane)
+              if (x >= 2 || !ab_saved) store_part_words(dst, w[x][0], w[x][1], pair, second);
           }
       }
     }
@@ -693,14 +758,14 @@ HW_UNROLL
   if (!Partials) {
     // The split's (M, Z) of the tile's rows (-inf, 0 where a row keeps no key of the split).
     __syncthreads();
-    const int64_t plane = static_cast<int64_t>(p.B) * H * mp.chunk;
-    float* out = mp.split_stats + static_cast<int64_t>(blockIdx.x) * 2 * plane;
+    const int64_t stats_plane = static_cast<int64_t>(p.B) * H * mp.chunk;
+    float* out = mp.split_stats + static_cast<int64_t>(mp.split0 + blockIdx.x) * 2 * stats_plane;
     for (int i = threadIdx.x; i < hg * kTileRows; i += blockDim.x) {
       const int n = i / kTileRows, r = i % kTileRows, t = q0 + r;
       if (t >= TT) continue;
       const int64_t so = (static_cast<int64_t>(bg) * hg + n) * mp.chunk + t - mp.chunk0;
       out[so] = st_m[i];
-      out[plane + so] = st_z[i];
+      out[stats_plane + so] = st_z[i];
     }
   }
 }

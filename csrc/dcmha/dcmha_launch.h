@@ -171,20 +171,20 @@ inline unsigned band_key_blocks(const AttnParams& p, int64_t c0, int64_t rows, i
   return static_cast<unsigned>((hi + keys - 1) / keys - first);
 }
 
-// The tensor-core forward (bf16 / fp16): transposed weights, then per statistics chunk the
-// statistics sweep and its combine, then per query chunk the rank partials and the output.
-// The statistics chunk is as many rows as keep split_stats (B H 2 splits fp32 a row) under
-// the scratch cap: all T rows at B = 8, H = 32, T = 4096 (134 MB), so one launch of
-// 256-key-split CTAs, none with more than 8 key tiles, fills the GPU evenly however causal
-// the band (a launch per 256-row partials chunk would leave the early chunks' launches
-// nearly empty). split_stats is freed before the partials scratch is made.
-// p holds the forward's pointers and shape.
+// The tensor-core forward (bf16 / fp16): transposed weights, then per query chunk the
+// statistics sweep (which stores a, b of the chunk in the scratch), its combine, the partials
+// sweep (c, d: one sweep over the heads a key tile where it would take two) and the output.
+// The chunk keeps the scratch (B G 4 words a (t, s)) and split_stats (B H 2 splits fp32 a
+// row) under the cap: 512 rows at B = 8, H = 32, T = 4096. The statistics CTAs take 64-key
+// splits (2 key tiles), so that a chunk's launch has CTAs enough however causal its band:
+// with 256-key splits the chunked launches spread ~1.43x their balanced time, with 64-key
+// ones ~1.10x (python -m headwise.bench.launch_balance). p holds the forward's pointers and shape.
 inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& out, int dh_pad, int dv_pad) {
   const int64_t groups = p.H / p.hg;
-  const int64_t chunk = query_chunk_rows(p, 4);
   const int64_t splits = (p.T + kStatsSplitKeys - 1) / kStatsSplitKeys;
-  const int64_t stats_chunk = chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * p.H * 2 * splits * 4);
+  const int64_t chunk = std::min(query_chunk_rows(p, 4),
+                                 chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * p.H * 2 * splits * 4));
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kWeightFields, p.T}, fopt);
   MmaAttnParams mp{};
@@ -192,6 +192,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
   mp.wt = wt.data_ptr<float>();
   mp.wfields = kWeightFields;
   mp.pwords = 4;
+  mp.ab_saved = 1;
   mp.dh_pad = dh_pad;
   mp.dv_pad = dv_pad;
   mp.vec16 = p.dh % 8 == 0 && p.dv % 8 == 0 && aligned16(q.data_ptr()) && aligned16(k.data_ptr()) &&
@@ -214,27 +215,20 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
       hw::allow_dynamic_smem("dcmha_attention", ko, out_smem);
       HW_LAUNCH("dcmha_attn_weights_t", kw, transpose_grid(p), dim3(kTransposeThreads), wt_smem, p,
                 wt.data_ptr<float>(), kWeightFields, weights_vec4(p));
-      {
-        at::Tensor split_stats = at::empty({splits, 2, p.B * p.H, stats_chunk}, fopt);
-        mp.split_stats = split_stats.data_ptr<float>();
-        mp.chunk = static_cast<int>(stats_chunk);
-        mp.split0 = 0;  // the statistics grid spans every split (split_stats is indexed by split)
-        for (int64_t c0 = 0; c0 < p.T; c0 += stats_chunk) {
-          mp.chunk0 = static_cast<int>(c0);
-          const unsigned tiles = query_tiles(p.T, c0, stats_chunk);
-          HW_LAUNCH("dcmha_attn_stats", ks, dim3(static_cast<unsigned>(splits), tiles, bg), dim3(kMmaThreads),
-                    loop_smem, mp);
-          HW_LAUNCH("dcmha_attn_stats_combine", kc, dim3(tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
-                    dim3(kTileRows), 0, mp);
-        }
-        mp.split_stats = nullptr;
-      }
+      // split_stats [splits, 2, B H, chunk] is indexed by the absolute split: the combine reads
+      // the splits of each row's band.
+      at::Tensor split_stats = at::empty({splits, 2, p.B * p.H, chunk}, fopt);
       at::Tensor partials = at::empty({p.B * groups, 4, chunk, p.T}, q.options().dtype(at::kInt));
+      mp.split_stats = split_stats.data_ptr<float>();
       mp.partials = reinterpret_cast<PartWord*>(partials.data_ptr<int32_t>());
       mp.chunk = static_cast<int>(chunk);
       for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
         mp.chunk0 = static_cast<int>(c0);
         const unsigned chunk_tiles = query_tiles(p.T, c0, chunk);
+        const unsigned stats_splits = band_key_blocks(p, c0, chunk, kStatsSplitKeys, mp.split0);
+        HW_LAUNCH("dcmha_attn_stats", ks, dim3(stats_splits, chunk_tiles, bg), dim3(kMmaThreads), loop_smem, mp);
+        HW_LAUNCH("dcmha_attn_stats_combine", kc,
+                  dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)), dim3(kTileRows), 0, mp);
         const unsigned chunk_splits = band_key_blocks(p, c0, chunk, kSweepSplitKeys, mp.split0);
         HW_LAUNCH("dcmha_attn_partials", kp, dim3(chunk_splits, chunk_tiles, bg), dim3(kMmaThreads),
                   loop_smem, mp);

@@ -135,11 +135,12 @@ MMA_CASES = [
     (1, 32, 9, 8, 8, dict(head_groups=32)),
     (2, 8, 1, 8, 8, {}),
     (1, 6, 65, 16, 16, dict(head_groups=3, window=7, scale=0.9)),
-    # Rows whose key band spans two 256-key splits (the statistics combine), causal or not.
+    # Rows whose key band spans several 64-key splits (the statistics combine), causal or not.
     (1, 2, 300, 8, 8, dict(causal=False)),
     (1, 3, 290, 16, 8, dict(window=260)),
 ]
 MMA_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+STATS_TOL = {torch.bfloat16: 5e-3, torch.float16: 6e-4}
 
 
 def _mma_inputs(b, h, t, dh, dv, dtype):
@@ -158,17 +159,20 @@ def test_sim_tensor_core_forward_matches_reference(b, h, t, dh, dv, kw, dtype):
     want = reference.dcmha_attention(q.double(), k.double(), v.double(), DCMHAWeights(*(x.double() for x in w)), **kw)
     assert got.dtype == dtype
     assert rel_err(got.double(), want) <= MMA_TOL[dtype]
-    # The row statistics (fp32 on both sides) agree with the CPU kernel's on the same values.
+    # The row statistics (fp32 on both sides) agree with the CPU kernel's on the same values
+    # to the rounding of the rank partials a, b: the tensor-core kernels form every logit from
+    # a, b as the scratch holds them, in the inputs' dtype (largest over these cases: 2.4e-3
+    # bf16, 3.0e-4 fp16), so that M and Z are the statistics of the logits they use.
     rest = (kw.get("causal", True), kw.get("window", 0), dh ** -0.5, kw.get("head_groups", 1))
     _, stats_sim = torch.ops.headwise_sim.dcmha_attention(q, k, v, *w, *rest)
     _, stats_cpu = torch.ops.headwise.dcmha_attention(*(x.float() for x in (q, k, v, *w)), *rest)
-    assert rel_err(stats_sim, stats_cpu) <= 2e-6
+    assert rel_err(stats_sim, stats_cpu) <= STATS_TOL[dtype]
 
 
 @pytest.mark.parametrize("t,kw", [(150, dict(window=90)), (300, dict(causal=False))], ids=["T150-window", "T300-full"])
 def test_sim_tensor_core_forward_query_chunks(monkeypatch, t, kw):
     # A scratch cap of 1 byte gives 64-row query chunks: T = 150 runs three chunks, T = 300
-    # five, whose rows span two 256-key splits (the statistics sweep's split_stats are
+    # five, whose rows span several 64-key splits (the statistics sweep's split_stats are
     # chunk-relative), with the same per-tile arithmetic as one chunk: bitwise equal outputs.
     (q, k, v), w = _mma_inputs(1, 4, t, 16, 16, torch.bfloat16)
     whole = SIM.dcmha_attention(q, k, v, w, **kw)

@@ -19,8 +19,10 @@ at the target shape, B = 8, one group of H = 32 heads, T = 4096 causal, 64-row q
 - the statistics sweep (3 CTAs per sm_90 SM):
   unsplit        one launch, a CTA per (query tile, b): tile i holds 2 (i + 1) key tiles
   256-row chunks a launch per 256-row query chunk, a CTA per (256-key split, tile, b)
-  one launch     a CTA per (256-key split, tile, b) over all rows (what the launcher does
-                 where split_stats fits the scratch cap)
+  one launch     a CTA per (256-key split, tile, b) over all rows (what the launcher did
+                 until the sweep stored the chunk's a, b for the partials sweep)
+  512 x 256      a launch per 512-row query chunk (the partials' scratch chunk), 256-key splits
+  512 x 64       the same with 64-key splits (what the launcher does now)
 - the partials sweep (2 CTAs per sm_90 SM), a launch per query chunk because its scratch
   bounds the chunk under the 256 MiB cap: 256 rows while it was B G 8 chunk T fp32, 512
   rows as B G 4 chunk T words (two bf16 / fp16 partials a word), with CTAs of 256-key
@@ -93,6 +95,8 @@ def stats_cases(batch: int = 8, seq: int = 4096, chunk: int = 256) -> dict[str, 
         "unsplit": [[2 * (i + 1) for _ in range(batch) for i in range(tiles)]],
         f"{chunk}-row chunks": [split_ctas(range(c0, c0 + chunk), batch) for c0 in range(0, seq, chunk)],
         "one launch": [split_ctas(range(0, seq), batch)],
+        **{f"512 x {keys}": [split_ctas(range(c0, c0 + 512), batch, split_keys=keys) for c0 in range(0, seq, 512)]
+           for keys in (256, 64)},
     }
 
 
