@@ -344,6 +344,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
   PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
   float sq[kR][kKeyN8][4] = {}, sk[kR][kKeyN8][4] = {};  // (dc, dd) or (da, db) of the warp's 16 x 32 fragment
+  // Pre: the words a, b, dc, dd of the warp's fragment, the same for every head of the group:
+  // loaded at a key tile's first head and kept in registers for the others (read once per
+  // (t, s) and group, where a load per head read the scratch hg times).
+  constexpr unsigned kPreWords = part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD);
+  PartWord pw[kKeyN8][2][kBwdPartWords][2];
   issue(0);
   for (int item = 0; item < n_items; ++item) {
     const int kt = kt_lo + item / hg, n = item % hg, stage = item & 1, s0 = kt * kTileKeys;
@@ -356,6 +361,16 @@ HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
 HW_UNROLL
           for (int e = 0; e < 4; ++e) sq[r][j][e] = sk[r][j][e] = 0.f;
+      if constexpr (Pre) {
+HW_UNROLL
+        for (int j = 0; j < kKeyN8; ++j)
+HW_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            const int t = q0 + warp * 16 + gq + 8 * h, s = s0 + j * 8 + 2 * tq;
+            load_part_word_pair<kPreWords>(pw[j][h], part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s,
+                                           t < TT && s < TT, s + 1 < TT && TT % 2 == 0, s + 1 < TT);
+          }
+      }
     }
     hw::cp_async_wait<1>();
     __syncthreads();
@@ -371,12 +386,6 @@ HW_UNROLL
 HW_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = warp * 16 + gq + 8 * h, t = q0 + r, c = j * 8 + 2 * tq, s = s0 + c;
-        const bool in = t < TT && s < TT;
-        constexpr unsigned kMask = part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD);
-        PartWord pw[kBwdPartWords][2];
-        if (Pre)
-          load_part_word_pair<kMask>(pw, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in,
-                                     s + 1 < TT && TT % 2 == 0, s + 1 < TT);
         const SmemSide qs{rows + r, kRowPitch};
 HW_UNROLL
         for (int e2 = 0; e2 < 2; ++e2) {
@@ -386,7 +395,7 @@ HW_UNROLL
           float y;
           if (Pre) {
             float pt[kBwdPartFields];
-            unpack_part_column<T, kMask>(pw, e2, kept, pt);
+            unpack_part_column<T, kPreWords>(pw[j][h], e2, kept, pt);
             const float P = bwd_prob(sc[j][e], qs, ks, pt, kept);
             y = P * (bwd_grad_prob(dpp[j][e], qs, ks, pt) - qs[kStatD]);  // dL'
 HW_UNROLL
