@@ -95,6 +95,9 @@ constexpr int kQueryRecord = 20, kKeyRecord = 12;
 // Launch 3's key splits per query tile, and its per-split sums of a row: the 5 slot-2
 // grads, then D. A constant, so the order of D's sums depends on the shape only.
 constexpr int kRowsumKeySplits = 3, kRowsumFields = 6;
+// Launch 3's heads a CTA: 2 where the group's size is even (the two share the scratch reads
+// of every (t, s)), else 1.
+__host__ __device__ inline int rowsum_heads(int hg) { return hg % 2 == 0 ? 2 : 1; }
 
 struct MmaAttnBwdParams {
   MmaAttnParams m;   // q, k, v, stats, wt (kBwdWeightFields), partials (kBwdPartFields), chunk
@@ -268,9 +271,9 @@ __host__ __device__ inline int64_t bwd_sweep_smem_bytes(bool pre, int dh_pad, in
   return int64_t(2) * (kTileRows + kTileKeys) * (ldv + (pre ? ldq : 0)) * 2 +
          int64_t(4) * 2 * (kQuerySide * kRowPitch + kKeySide * kColPitch);
 }
-__host__ __device__ inline int64_t bwd_rows_smem_bytes(int dh_pad, int dv_pad) {
+__host__ __device__ inline int64_t bwd_rows_smem_bytes(int dh_pad, int dv_pad, int heads) {
   const int64_t ldq = dh_pad + 8, ldv = dv_pad + 8;
-  return int64_t(kTileRows) * (ldq + ldv) * 2 + int64_t(2) * kTileKeys * (ldq + ldv) * 2 +
+  return int64_t(heads) * kTileRows * (ldq + ldv) * 2 + int64_t(2) * kTileKeys * (ldq + ldv) * 2 +
          int64_t(4) * 2 * kKeySide * kColPitch;
 }
 __host__ __device__ inline int64_t bwd_keys_smem_bytes(int dh_pad, int dv_pad) {
@@ -436,43 +439,49 @@ HW_UNROLL
 }
 
 // Launches 3 (Dq = false: D, slot-2 grads, per key split) and 5 (Dq = true: dq, slot-0
-// grads): CTA per ([key split,] query tile of the chunk, head m, b). DTiles bounds dh_pad / 8.
-template <typename T, bool Dq, int DTiles>
+// grads): CTA per ([key split,] query tile of the chunk, Heads heads m0.., b). DTiles bounds
+// dh_pad / 8. Heads = 2 (launch 3 where the group's size is even): the CTA's two heads share
+// the scratch words of each (t, s), loaded once per key tile and kept in registers for the
+// second head (the scratch reads, 20 B per (t, s) and head at one head a CTA, bound launch 3
+// by L2); its items (key tile, head) are double-buffered, the two heads' Q and dO resident.
+template <typename T, bool Dq, int DTiles, int Heads>
 __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttnBwdParams bp) {
+  static_assert(Heads == 1 || (Heads == 2 && !Dq), "two heads a CTA in launch 3 only (dq holds a dq tile a head)");
   const MmaAttnParams& mp = bp.m;
   const AttnParams& p = mp.f;
-  const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.y, b = blockIdx.z;
-  const int bg = b * (H / hg) + m / hg;
+  const int H = p.H, TT = p.T, hg = p.hg, m0 = static_cast<int>(blockIdx.y) * Heads, b = blockIdx.z;
+  const int bg = b * (H / hg) + m0 / hg;
   // Dq = false: blockIdx.x = split + kRowsumKeySplits * query tile (the splits of a tile adjacent).
   const int split = Dq ? 0 : static_cast<int>(blockIdx.x % kRowsumKeySplits);
   const int q0 = mp.chunk0 + static_cast<int>(Dq ? blockIdx.x : blockIdx.x / kRowsumKeySplits) * kTileRows;
   if (q0 >= TT) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
   const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8, dh_n8 = mp.dh_pad / 8;
-  const int64_t head = static_cast<int64_t>(b) * H + m;
+  auto head_of = [&](int u) { return static_cast<int64_t>(b) * H + m0 + u; };
 
   unsigned char* base = hw::dynamic_shared_memory();
-  T* qs = reinterpret_cast<T*>(base);           // [64][ldq] Q, then the dq tile
-  T* os = qs + kTileRows * ldq;                  // [64][ldv] dO
-  T* kbuf = os + kTileRows * ldv;                // [2][32][ldq]
-  T* vbuf = kbuf + 2 * kTileKeys * ldq;          // [2][32][ldv]
+  T* qs = reinterpret_cast<T*>(base);            // [Heads][64][ldq] Q, then (Dq) the dq tile
+  T* os = qs + Heads * kTileRows * ldq;           // [Heads][64][ldv] dO
+  T* kbuf = os + Heads * kTileRows * ldv;         // [2][32][ldq]
+  T* vbuf = kbuf + 2 * kTileKeys * ldq;           // [2][32][ldv]
   float* colf = reinterpret_cast<float*>(vbuf + 2 * kTileKeys * ldv);  // [2][10][33]
 
-  const T* k = static_cast<const T*>(p.k) + head * TT * p.dh;
-  const T* v = static_cast<const T*>(p.v) + head * TT * p.dv;
-  const float* wt_head = mp.wt + head * mp.wfields * TT;
   const PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
 
-  // The query side of this thread's two rows (D only once launch 3 has written it).
-  float rq[2][kQuerySide];
+  // The query side of this thread's two rows per head (D only once launch 3 has written it).
+  float rq[Heads][2][kQuerySide];
 HW_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    const int t = q0 + warp * 16 + gq + 8 * h;
+  for (int u = 0; u < Heads; ++u)
 HW_UNROLL
-    for (int f = 0; f < kQuerySide; ++f)
-      rq[h][f] = t < TT && (Dq || f != kStatD) ? wt_head[static_cast<int64_t>(side_wfield(f, false)) * TT + t] : 0.f;
-  }
+    for (int h = 0; h < 2; ++h) {
+      const int t = q0 + warp * 16 + gq + 8 * h;
+      const float* wt_head = mp.wt + head_of(u) * mp.wfields * TT;
+HW_UNROLL
+      for (int f = 0; f < kQuerySide; ++f)
+        rq[u][h][f] =
+            t < TT && (Dq || f != kStatD) ? wt_head[static_cast<int64_t>(side_wfield(f, false)) * TT + t] : 0.f;
+    }
 
   int lo, hi;
   key_band(q0, kTileRows, TT, p.causal, p.window, lo, hi);
@@ -481,91 +490,120 @@ HW_UNROLL
   const int kt_lo = Dq ? band_lo : band_lo + band_tiles * split / kRowsumKeySplits;
   const int n_tiles = Dq ? band_tiles : band_lo + band_tiles * (split + 1) / kRowsumKeySplits - kt_lo;
 
-  load_rows(qs, static_cast<const T*>(p.q) + head * TT * p.dh, q0, kTileRows, TT, p.dh, mp.dh_pad, mp.vec16);
-  load_rows(os, static_cast<const T*>(bp.dout) + head * TT * p.dv, q0, kTileRows, TT, p.dv, mp.dv_pad, mp.vec16);
-  auto issue = [&](int i) {
-    if (i < n_tiles) {
-      const int s0 = (kt_lo + i) * kTileKeys, stage = i & 1;
-      load_rows(kbuf + stage * kTileKeys * ldq, k, s0, kTileKeys, TT, p.dh, mp.dh_pad, mp.vec16);
-      load_rows(vbuf + stage * kTileKeys * ldv, v, s0, kTileKeys, TT, p.dv, mp.dv_pad, mp.vec16);
-      load_side_fields(colf + stage * kKeySide * kColPitch, wt_head, s0, kTileKeys, kColPitch, TT, 0x3ffu, kKeySide,
-                       true);
+HW_UNROLL
+  for (int u = 0; u < Heads; ++u) {
+    load_rows(qs + u * kTileRows * ldq, static_cast<const T*>(p.q) + head_of(u) * TT * p.dh, q0, kTileRows, TT, p.dh,
+              mp.dh_pad, mp.vec16);
+    load_rows(os + u * kTileRows * ldv, static_cast<const T*>(bp.dout) + head_of(u) * TT * p.dv, q0, kTileRows, TT,
+              p.dv, mp.dv_pad, mp.vec16);
+  }
+  // Item = (key tile i, head u): head u's K and V tiles and key sides, one commit group.
+  const int n_items = n_tiles * Heads;
+  auto issue = [&](int item) {
+    if (item < n_items) {
+      const int s0 = (kt_lo + item / Heads) * kTileKeys, stage = item & 1;
+      const int64_t head = head_of(item % Heads);
+      load_rows(kbuf + stage * kTileKeys * ldq, static_cast<const T*>(p.k) + head * TT * p.dh, s0, kTileKeys, TT,
+                p.dh, mp.dh_pad, mp.vec16);
+      load_rows(vbuf + stage * kTileKeys * ldv, static_cast<const T*>(p.v) + head * TT * p.dv, s0, kTileKeys, TT,
+                p.dv, mp.dv_pad, mp.vec16);
+      load_side_fields(colf + stage * kKeySide * kColPitch, mp.wt + head * mp.wfields * TT, s0, kTileKeys, kColPitch,
+                       TT, 0x3ffu, kKeySide, true);
     }
     hw::cp_async_commit();
   };
 
   float o[DTiles][4];
   zero_tile(o);
-  float acc[2][6];  // per row: the slot's 5 grads, then D (Dq = false)
-  zero_tile(acc);
+  float acc[Heads][2][6];  // per head and row: the slot's 5 grads, then D (Dq = false)
+HW_UNROLL
+  for (int u = 0; u < Heads; ++u) zero_tile(acc[u]);
 
   constexpr unsigned kMask = Dq ? part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD) |
                                       part_bits(kPartDA) | part_bits(kPartDB)
                                 : part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartC) | part_bits(kPartDC) |
                                       part_bits(kPartDD);
+  // The key tile's words of the warp's fragment: Heads = 2 loads them all at the tile's first
+  // head and keeps them for the second; Heads = 1 loads an n8 tile's half where it uses it
+  // (dq's registers hold its dq tile).
+  PartWord pw[kKeyN8][2][kBwdPartWords][2];
+  auto load_words = [&](int j, int h, int s0) {
+    const int t = q0 + warp * 16 + gq + 8 * h, s = s0 + j * 8 + 2 * tq;
+    load_part_word_pair<kMask>(pw[j][h], part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, t < TT && s < TT,
+                               s + 1 < TT && TT % 2 == 0, s + 1 < TT);
+  };
   issue(0);
   for (int i = 0; i < n_tiles; ++i) {
-    const int stage = i & 1, s0 = (kt_lo + i) * kTileKeys;
-    __syncthreads();
-    issue(i + 1);
-    hw::cp_async_wait<1>();
-    __syncthreads();
-    float sc[kKeyN8][4], dpp[kKeyN8][4];
-    qk_tile<T>(sc, qs, kbuf + stage * kTileKeys * ldq, ldq, mp.dh_pad, warp, lane, p.scale);
-    qk_tile<T>(dpp, os, vbuf + stage * kTileKeys * ldv, ldv, mp.dv_pad, warp, lane, 1.f);
-    const float* cols = colf + stage * kKeySide * kColPitch;
+    const int s0 = (kt_lo + i) * kTileKeys;
 HW_UNROLL
-    for (int j = 0; j < kKeyN8; ++j)
+    for (int u = 0; u < Heads; ++u) {
+      const int item = i * Heads + u, stage = item & 1;
+      __syncthreads();
+      issue(item + 1);
+      if (Heads > 1 && u == 0) {
 HW_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + gq + 8 * h, t = q0 + r, c = j * 8 + 2 * tq, s = s0 + c;
-        const bool in = t < TT && s < TT;
-        PartWord pw[kBwdPartWords][2];
-        load_part_word_pair<kMask>(pw, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, in,
-                                   s + 1 < TT && TT % 2 == 0, s + 1 < TT);
+        for (int j = 0; j < kKeyN8; ++j)
 HW_UNROLL
-        for (int e2 = 0; e2 < 2; ++e2) {
-          const int e = 2 * h + e2;
-          const SmemSide ks{cols + c + e2, kColPitch};
-          const bool kept = t < TT && kept_pair(t, s + e2, TT, p.causal, p.window);
-          float pt[kBwdPartFields];
-          unpack_part_column<T, kMask>(pw, e2, kept, pt);
-          const float S = sc[j][e];
-          const float P = bwd_prob(S, rq[h], ks, pt, kept);
-          const float dP = bwd_grad_prob(dpp[j][e], rq[h], ks, pt);
-          if (Dq) {
-            const float dLp = P * (dP - rq[h][kStatD]);
-            add_slot_grads(acc[h], S, dLp, pt + kPartDA, pt + kPartA);
-            sc[j][e] = kept ? bwd_grad_logit(dLp, rq[h], ks, pt) * p.scale : 0.f;
-          } else {
-            acc[h][5] += P * dP;
-            add_slot_grads(acc[h], P, kept ? dpp[j][e] : 0.f, pt + kPartDC, pt + kPartC);
+          for (int h = 0; h < 2; ++h) load_words(j, h, s0);
+      }
+      hw::cp_async_wait<1>();
+      __syncthreads();
+      float sc[kKeyN8][4], dpp[kKeyN8][4];
+      qk_tile<T>(sc, qs + u * kTileRows * ldq, kbuf + stage * kTileKeys * ldq, ldq, mp.dh_pad, warp, lane, p.scale);
+      qk_tile<T>(dpp, os + u * kTileRows * ldv, vbuf + stage * kTileKeys * ldv, ldv, mp.dv_pad, warp, lane, 1.f);
+      const float* cols = colf + stage * kKeySide * kColPitch;
+HW_UNROLL
+      for (int j = 0; j < kKeyN8; ++j)
+HW_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const int t = q0 + warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq, s = s0 + c;
+          if (Heads == 1) load_words(j, h, s0);
+HW_UNROLL
+          for (int e2 = 0; e2 < 2; ++e2) {
+            const int e = 2 * h + e2;
+            const SmemSide ks{cols + c + e2, kColPitch};
+            const bool kept = t < TT && kept_pair(t, s + e2, TT, p.causal, p.window);
+            float pt[kBwdPartFields];
+            unpack_part_column<T, kMask>(pw[j][h], e2, kept, pt);
+            const float S = sc[j][e];
+            const float P = bwd_prob(S, rq[u][h], ks, pt, kept);
+            const float dP = bwd_grad_prob(dpp[j][e], rq[u][h], ks, pt);
+            if (Dq) {
+              const float dLp = P * (dP - rq[u][h][kStatD]);
+              add_slot_grads(acc[u][h], S, dLp, pt + kPartDA, pt + kPartA);
+              sc[j][e] = kept ? bwd_grad_logit(dLp, rq[u][h], ks, pt) * p.scale : 0.f;
+            } else {
+              acc[u][h][5] += P * dP;
+              add_slot_grads(acc[u][h], P, kept ? dpp[j][e] : 0.f, pt + kPartDC, pt + kPartC);
+            }
           }
         }
-      }
-    // dq += (scale dL) K: K by ldmatrix.trans.
-    if (Dq) fragment_times_rows<T>(o, sc, kbuf + stage * kTileKeys * ldq, ldq, dh_n8, lane);
+      // dq += (scale dL) K: K by ldmatrix.trans.
+      if (Dq) fragment_times_rows<T>(o, sc, kbuf + stage * kTileKeys * ldq, ldq, dh_n8, lane);
+    }
   }
   hw::cp_async_wait<0>();
 HW_UNROLL
-  for (int h = 0; h < 2; ++h) {
+  for (int u = 0; u < Heads; ++u)
 HW_UNROLL
-    for (int i = 0; i < (Dq ? 5 : 6); ++i) acc[h][i] = quad_sum(acc[h][i]);
-    const int t = q0 + warp * 16 + gq + 8 * h;
-    if (tq == 0 && t < TT) {
-      if (Dq) {
-        put_slot_grads<false>(bp, head, t, 0, acc[h]);
-      } else {
-        float* dst = rowsum_parts_of(bp, head, split) + (t - mp.chunk0);
+    for (int h = 0; h < 2; ++h) {
 HW_UNROLL
-        for (int i = 0; i < kRowsumFields; ++i) dst[i * bp.rowsum_pitch] = acc[h][i];
+      for (int f = 0; f < (Dq ? 5 : 6); ++f) acc[u][h][f] = quad_sum(acc[u][h][f]);
+      const int t = q0 + warp * 16 + gq + 8 * h;
+      if (tq == 0 && t < TT) {
+        if (Dq) {
+          put_slot_grads<false>(bp, head_of(u), t, 0, acc[u][h]);
+        } else {
+          float* dst = rowsum_parts_of(bp, head_of(u), split) + (t - mp.chunk0);
+HW_UNROLL
+          for (int f = 0; f < kRowsumFields; ++f) dst[f * bp.rowsum_pitch] = acc[u][h][f];
+        }
       }
     }
-  }
   if (Dq) {
     __syncthreads();  // every warp is done with qs: it takes the dq tile
-    store_row_tile<T>(o, qs, ldq, dh_n8, static_cast<T*>(bp.dq) + head * TT * p.dh, q0, TT, p.dh, mp.vec16, warp,
-                      lane);
+    store_row_tile<T>(o, qs, ldq, dh_n8, static_cast<T*>(bp.dq) + head_of(0) * TT * p.dh, q0, TT, p.dh, mp.vec16,
+                      warp, lane);
   }
 }
 

@@ -244,9 +244,10 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
 // memory within the device's opt-in limit, grids within CUDA's limits.
 inline bool mma_backward_fits(const AttnParams& p, at::ScalarType dtype, int dh_pad, int dv_pad) {
   const size_t limit = hw::max_dynamic_smem_optin();
-  const int64_t need = std::max({mma_loop_smem_bytes(p.hg, dh_pad), bwd_sweep_smem_bytes(true, dh_pad, dv_pad),
-                                 bwd_rows_smem_bytes(dh_pad, dv_pad), bwd_keys_smem_bytes(dh_pad, dv_pad),
-                                 transpose_smem_bytes()});
+  const int64_t need =
+      std::max({mma_loop_smem_bytes(p.hg, dh_pad), bwd_sweep_smem_bytes(true, dh_pad, dv_pad),
+                bwd_rows_smem_bytes(dh_pad, dv_pad, rowsum_heads(p.hg)), bwd_keys_smem_bytes(dh_pad, dv_pad),
+                transpose_smem_bytes()});
   return dtype != at::kFloat && dh_pad <= 128 && dv_pad <= 128 && static_cast<size_t>(need) <= limit &&
          static_cast<int64_t>(p.B) * (p.H / p.hg) <= 65535 && p.B <= 65535 && p.H <= 65535 &&
          (static_cast<int64_t>(p.T) + kTileRows - 1) / kTileRows <= 65535;
@@ -296,7 +297,9 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad));
   const size_t post_smem = static_cast<size_t>(bwd_sweep_smem_bytes(false, dh_pad, dv_pad));
   const size_t pre_smem = static_cast<size_t>(bwd_sweep_smem_bytes(true, dh_pad, dv_pad));
-  const size_t rows_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad));
+  const int rs_heads = rowsum_heads(p.hg);
+  const size_t rowsum_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad, rs_heads));
+  const size_t rows_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad, 1));
   const size_t keys_smem = static_cast<size_t>(bwd_keys_smem_bytes(dh_pad, dv_pad));
   const unsigned bg = static_cast<unsigned>(p.B * groups), H = static_cast<unsigned>(p.H),
                  B = static_cast<unsigned>(p.B);
@@ -307,15 +310,15 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
       auto kp = &dcmha_attn_sweep<T, true>;
       auto k_post = &dcmha_attn_bwd_sweep<T, false>;
       auto k_pre = &dcmha_attn_bwd_sweep<T, true>;
-      auto k_rowsum = &dcmha_attn_bwd_rows<T, false, 4>;
-      auto k_dq = dh_pad <= 32 ? &dcmha_attn_bwd_rows<T, true, 4> : &dcmha_attn_bwd_rows<T, true, 16>;
+      auto k_rowsum = rs_heads == 2 ? &dcmha_attn_bwd_rows<T, false, 4, 2> : &dcmha_attn_bwd_rows<T, false, 4, 1>;
+      auto k_dq = dh_pad <= 32 ? &dcmha_attn_bwd_rows<T, true, 4, 1> : &dcmha_attn_bwd_rows<T, true, 16, 1>;
       auto k_keys = std::max(dh_pad, dv_pad) <= 32 ? &dcmha_attn_bwd_keys<T, 2> : &dcmha_attn_bwd_keys<T, 8>;
       const char* op = "dcmha_attention_backward";
       hw::allow_dynamic_smem(op, kw, wt_smem);
       hw::allow_dynamic_smem(op, kp, loop_smem);
       hw::allow_dynamic_smem(op, k_post, post_smem);
       hw::allow_dynamic_smem(op, k_pre, pre_smem);
-      hw::allow_dynamic_smem(op, k_rowsum, rows_smem);
+      hw::allow_dynamic_smem(op, k_rowsum, rowsum_smem);
       hw::allow_dynamic_smem(op, k_dq, rows_smem);
       hw::allow_dynamic_smem(op, k_keys, keys_smem);
       HW_LAUNCH("dcmha_attn_weights_t", kw, transpose_grid(p), dim3(kTransposeThreads), wt_smem, p,
@@ -326,11 +329,11 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
         const unsigned splits = band_key_blocks(p, c0, chunk, kSweepSplitKeys, bp.m.split0);
         const unsigned key_tiles = band_key_blocks(p, c0, chunk, kTileRows, bp.key_tile0);
         const dim3 sweep_grid(splits, tiles, bg), rows_grid(tiles, H, B), keys_grid(key_tiles, H, B);
-        const dim3 rowsum_grid(tiles * kRowsumKeySplits, H, B),
+        const dim3 rowsum_grid(tiles * kRowsumKeySplits, H / rs_heads, B),
             combine_grid(static_cast<unsigned>((tiles * kTileRows + kMmaThreads - 1) / kMmaThreads), H, B);
         HW_LAUNCH("dcmha_attn_partials", kp, sweep_grid, dim3(kMmaThreads), loop_smem, bp.m);
         HW_LAUNCH("dcmha_attn_bwd_dpost", k_post, sweep_grid, dim3(kMmaThreads), post_smem, bp);
-        HW_LAUNCH("dcmha_attn_bwd_rowsum", k_rowsum, rowsum_grid, dim3(kMmaThreads), rows_smem, bp);
+        HW_LAUNCH("dcmha_attn_bwd_rowsum", k_rowsum, rowsum_grid, dim3(kMmaThreads), rowsum_smem, bp);
         HW_LAUNCH("dcmha_attn_bwd_rowsum_combine", dcmha_attn_bwd_rowsum_combine, combine_grid, dim3(kMmaThreads), 0,
                   bp);
         HW_LAUNCH("dcmha_attn_bwd_dpre", k_pre, sweep_grid, dim3(kMmaThreads), pre_smem, bp);

@@ -47,8 +47,10 @@ def test_the_backward_cases_count_each_kernels_work_alike_before_and_now():
     cases = lb.backward_cases(batch=batch, heads=heads, seq=seq, chunk=128)
     tiles = seq // 64
     for kernel in lb.BACKWARD_KERNELS:
-        before, key_tiles, now = (sum(sum(w) for w in cases[n][kernel]) for n in ("before", "tiles", "now"))
+        before, key_tiles, splits, now = (sum(sum(w) for w in cases[n][kernel])
+                                          for n in ("before", "tiles", "splits", "now"))
         assert before == key_tiles == (0 if kernel.endswith("combine") else now), kernel
+        assert splits == now, kernel
         assert len(cases["now"][kernel]) == seq // 128
     # A sweep's key tiles of a causal band: 2 (i + 1) per query tile i and b (heads looped
     # inside the CTA); a row kernel's the same per head; the now-sweeps hold one tile a CTA.
@@ -60,6 +62,13 @@ def test_the_backward_cases_count_each_kernels_work_alike_before_and_now():
     # per (128 rows, head, b) of each chunk.
     assert sorted(cases["now"]["dcmha_attn_bwd_rowsum"][0]) == sorted([1, 1, 1, 1, 2] * batch * heads)
     assert cases["now"]["dcmha_attn_bwd_rowsum_combine"] == [[1] * batch * heads] * (seq // 128)
+    # An odd head count keeps a head a rowsum CTA; an even one pairs them: half the CTAs,
+    # each the work of two.
+    assert cases["now"]["dcmha_attn_bwd_rowsum"] == cases["splits"]["dcmha_attn_bwd_rowsum"]
+    paired = lb.backward_cases(batch=batch, heads=4, seq=seq, chunk=128)
+    assert sorted(paired["now"]["dcmha_attn_bwd_rowsum"][0]) == sorted([2, 2, 2, 2, 4] * batch * 2)
+    assert (sum(sum(w) for w in paired["now"]["dcmha_attn_bwd_rowsum"])
+            == sum(sum(w) for w in paired["splits"]["dcmha_attn_bwd_rowsum"]))
     # A key kernel's 32-row query steps: per 64-key tile j the rows t >= 64 j of each chunk.
     steps = sum(-(-(c0 + 128 - max(c0, 64 * j)) // 32) for c0 in range(0, seq, 128) for j in range(tiles)
                 if c0 + 128 > 64 * j)

@@ -108,16 +108,19 @@ def partials_cases(batch: int = 8, seq: int = 4096) -> dict[str, list[list[int]]
             for rows in (256, 512, 1024) for keys in (256, 32)}
 
 
-def row_ctas(rows: range, batch: int, heads: int, tile_rows: int = 64, key_tile: int = 32, splits: int = 1) -> list[int]:
-    """Key tiles of each non-empty (key split, query tile, head, b) CTA of a causal row
+def row_ctas(rows: range, batch: int, heads: int, tile_rows: int = 64, key_tile: int = 32, splits: int = 1,
+             heads_per_cta: int = 1) -> list[int]:
+    """Key tiles of each non-empty (key split, query tile, heads, b) CTA of a causal row
     kernel over `rows`: split i of a tile's n key tiles holds n (i + 1) // splits - n i // splits
-    of them (dcmha_attn_bwd_rows; its empty splits store zeros and are left out here)."""
+    of them, for each of the CTA's heads (dcmha_attn_bwd_rows; its empty splits store zeros
+    and are left out here)."""
     works = []
     for _ in range(batch):
-        for _ in range(heads):
+        for _ in range(heads // heads_per_cta):
             for q0 in range(rows.start, rows.stop, tile_rows):
                 n = (q0 + tile_rows) // key_tile
-                works += [w for i in range(splits) if (w := n * (i + 1) // splits - n * i // splits) > 0]
+                works += [heads_per_cta * w for i in range(splits)
+                          if (w := n * (i + 1) // splits - n * i // splits) > 0]
     return works
 
 
@@ -140,24 +143,30 @@ BACKWARD_KERNELS = ("dcmha_attn_partials", "dcmha_attn_bwd_dpost", "dcmha_attn_b
                     "dcmha_attn_bwd_rowsum_combine", "dcmha_attn_bwd_dpre", "dcmha_attn_bwd_dq", "dcmha_attn_bwd_dkv",
                     "dcmha_attn_bwd_dv", "dcmha_attn_bwd_dk")
 ROWSUM_KEY_SPLITS = 3  # kRowsumKeySplits (dcmha_attention_mma_bwd_kernel.cuh)
+ROWSUM_HEADS = 2  # rowsum_heads(hg) at an even group size
 
 
 def backward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int = 256) -> dict[str, dict[str, list]]:
     """Per backward kernel, its launches (one per query chunk): "before" with sweep CTAs of
     256-key splits and a rowsum CTA per query tile, "tiles" with sweep CTAs of one key tile,
-    "now" with those and the rowsum's tiles cut into ROWSUM_KEY_SPLITS key splits (its
-    combine, a CTA per 128 rows of the chunk and head, then runs; before, the rowsum did it)."""
+    "splits" with those and the rowsum's tiles cut into ROWSUM_KEY_SPLITS key splits (its
+    combine, a CTA per 128 rows of the chunk and head, then runs; before, the rowsum did it),
+    "now" with the rowsum's CTAs of ROWSUM_HEADS heads where they divide `heads` (half the
+    CTAs, twice the work each)."""
     chunks = [range(c0, min(c0 + chunk, seq)) for c0 in range(0, seq, chunk)]
     rows = [row_ctas(c, batch, heads) for c in chunks]
     split_rows = [row_ctas(c, batch, heads, splits=ROWSUM_KEY_SPLITS) for c in chunks]
+    pair = ROWSUM_HEADS if heads % ROWSUM_HEADS == 0 else 1
+    pair_rows = [row_ctas(c, batch, heads, splits=ROWSUM_KEY_SPLITS, heads_per_cta=pair) for c in chunks]
     combine = [[1] * (batch * heads * -(-len(c) // 128)) for c in chunks]
     keys = [key_ctas(c, batch, heads, seq) for c in chunks]
     cases = {}
-    for name, split, rowsum in (("before", 256, rows), ("tiles", 32, rows), ("now", 32, split_rows)):
+    for name, split, rowsum in (("before", 256, rows), ("tiles", 32, rows), ("splits", 32, split_rows),
+                                ("now", 32, pair_rows)):
         sweep = [split_ctas(c, batch, split_keys=split) for c in chunks]
         cases[name] = {k: sweep if k.endswith(("partials", "dpost", "dpre")) else rowsum if k.endswith("rowsum")
-                       else (combine if name == "now" else []) if k.endswith("combine") else rows if k.endswith("dq")
-                       else keys for k in BACKWARD_KERNELS}
+                       else (combine if name in ("splits", "now") else []) if k.endswith("combine")
+                       else rows if k.endswith("dq") else keys for k in BACKWARD_KERNELS}
     return cases
 
 

@@ -495,8 +495,8 @@ LAUNCH_FUNCTIONS = {
     "dcmha_attn_output": ("dcmha_attn_output", "16"),
     "dcmha_attn_bwd_dpost": ("dcmha_attn_bwd_sweep", "false"),
     "dcmha_attn_bwd_dpre": ("dcmha_attn_bwd_sweep", "true"),
-    "dcmha_attn_bwd_rowsum": ("dcmha_attn_bwd_rows", "false, 4"),
-    "dcmha_attn_bwd_dq": ("dcmha_attn_bwd_rows", "true, 16"),
+    "dcmha_attn_bwd_rowsum": ("dcmha_attn_bwd_rows", "false, 4, 2"),
+    "dcmha_attn_bwd_dq": ("dcmha_attn_bwd_rows", "true, 16, 1"),
     "dcmha_attn_bwd_dkv": ("dcmha_attn_bwd_keys", "8"),
 }
 
