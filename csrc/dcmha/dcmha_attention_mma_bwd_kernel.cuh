@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
   // loaded at a key tile's first head and kept in registers for the others (read once per
   // (t, s) and group, where a load per head read the scratch hg times).
   constexpr unsigned kPreWords = part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD);
-  PartWord pw[kKeyN8][2][kBwdPartWords][2];
+  PartWord pw[kKeyN8][2][kBwdPartWords][2] = {};
   issue(0);
   for (int item = 0; item < n_items; ++item) {
     const int kt = kt_lo + item / hg, n = item % hg, stage = item & 1, s0 = kt * kTileKeys;
@@ -523,15 +523,19 @@ HW_UNROLL
                                       part_bits(kPartDA) | part_bits(kPartDB)
                                 : part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartC) | part_bits(kPartDC) |
                                       part_bits(kPartDD);
-  // The key tile's words of the warp's fragment: Heads = 2 loads them all at the tile's first
-  // head and keeps them for the second; Heads = 1 loads an n8 tile's half where it uses it
-  // (dq's registers hold its dq tile).
-  PartWord pw[kKeyN8][2][kBwdPartWords][2];
-  auto load_words = [&](int j, int h, int s0) {
+  // The key tile's words of the warp's fragment: Heads = 2 loads a, b, dc, dd at the tile's
+  // first head and keeps them for the second (64 registers; c, which only the dW2 grads read,
+  // is loaded per head where it is used: holding it too spilled on sm_80); Heads = 1 loads
+  // an n8 tile's half where it uses it (dq's registers hold its dq tile).
+  constexpr unsigned kHeld = Heads > 1 ? kMask & ~part_bits(kPartC) : kMask, kPerHead = kMask & ~kHeld;
+  PartWord pw[kKeyN8][2][kBwdPartWords][2] = {};
+  auto load_words = [&](auto mask, PartWord (&w)[kBwdPartWords][2], int j, int h, int s0) {
     const int t = q0 + warp * 16 + gq + 8 * h, s = s0 + j * 8 + 2 * tq;
-    load_part_word_pair<kMask>(pw[j][h], part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s, t < TT && s < TT,
-                               s + 1 < TT && TT % 2 == 0, s + 1 < TT);
+    load_part_word_pair<decltype(mask)::value>(w, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s,
+                                               t < TT && s < TT, s + 1 < TT && TT % 2 == 0, s + 1 < TT);
   };
+  using HeldWords = std::integral_constant<unsigned, kHeld>;
+  using HeadWords = std::integral_constant<unsigned, kPerHead>;
   issue(0);
   for (int i = 0; i < n_tiles; ++i) {
     const int s0 = (kt_lo + i) * kTileKeys;
@@ -544,7 +548,7 @@ HW_UNROLL
 HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
 HW_UNROLL
-          for (int h = 0; h < 2; ++h) load_words(j, h, s0);
+          for (int h = 0; h < 2; ++h) load_words(HeldWords{}, pw[j][h], j, h, s0);
       }
       hw::cp_async_wait<1>();
       __syncthreads();
@@ -557,14 +561,22 @@ HW_UNROLL
 HW_UNROLL
         for (int h = 0; h < 2; ++h) {
           const int t = q0 + warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq, s = s0 + c;
-          if (Heads == 1) load_words(j, h, s0);
+          if (Heads == 1) load_words(HeldWords{}, pw[j][h], j, h, s0);
+          PartWord head_words[kBwdPartWords][2] = {};  // kPerHead's words (none at Heads = 1)
+          if (kPerHead != 0u) load_words(HeadWords{}, head_words, j, h, s0);
 HW_UNROLL
           for (int e2 = 0; e2 < 2; ++e2) {
             const int e = 2 * h + e2;
             const SmemSide ks{cols + c + e2, kColPitch};
             const bool kept = t < TT && kept_pair(t, s + e2, TT, p.causal, p.window);
-            float pt[kBwdPartFields];
-            unpack_part_column<T, kMask>(pw[j][h], e2, kept, pt);
+            float pt[kBwdPartFields], ph[kBwdPartFields];
+            unpack_part_column<T, kHeld>(pw[j][h], e2, kept, pt);
+            if (kPerHead != 0u) {
+              unpack_part_column<T, kPerHead>(head_words, e2, kept, ph);
+HW_UNROLL
+              for (int f = 0; f < kBwdPartFields; ++f)
+                if ((kPerHead >> (f / 2)) & 1u) pt[f] = ph[f];
+            }
             const float S = sc[j][e];
             const float P = bwd_prob(S, rq[u][h], ks, pt, kept);
             const float dP = bwd_grad_prob(dpp[j][e], rq[u][h], ks, pt);
