@@ -224,7 +224,7 @@ HW_UNROLL
 
 // The scratch words of `Mask`'s planes (bit i: plane i, fields 2i and 2i + 1) of the pair
 // (t, s), (t, s + 1) at offset at: 8-byte loads where `pair`, else word loads (second:
-// s + 1 < T); 0 where !in. Kept as words until a column's element math unpacks them
+// s + 1 < T); 0 where !in; the words of other planes are left as they are. Kept as words until a column's element math unpacks them
 // (unpack_part_column): half the registers of their fields. The planes' addresses step by
 // `plane` from the first's (a 64-bit add each): written as part + f plane + at, nvcc
 // factored T out of plane and at and formed each address with 64-bit multiplies (~10
@@ -235,9 +235,21 @@ __device__ __forceinline__ void load_part_word_pair(PartWord (&w)[kBwdPartWords]
   const PartWord* src = part + at;
 HW_UNROLL
   for (int i = 0; i < kBwdPartWords; ++i, src += plane) {
+    if (!((Mask >> i) & 1u)) continue;
     w[i][0] = w[i][1] = 0u;
-    if (((Mask >> i) & 1u) && in) load_part_words(src, w[i][0], w[i][1], pair, second);
+    if (in) load_part_words(src, w[i][0], w[i][1], pair, second);
   }
+}
+
+// load_part_word_pair of the pair of a warp's 16 x 32 fragment that element row h of n8 tile
+// j holds: t = q0 + 16 warp + lane / 4 + 8 h, s = s0 + 8 j + 2 (lane % 4), at chunk row t - chunk0.
+template <unsigned Mask>
+__device__ __forceinline__ void load_fragment_words(PartWord (&w)[kBwdPartWords][2], const PartWord* part,
+                                                    int64_t plane, int q0, int s0, int chunk0, int TT, int j, int h,
+                                                    int warp, int lane) {
+  const int t = q0 + warp * 16 + lane / 4 + 8 * h, s = s0 + j * 8 + 2 * (lane % 4);
+  load_part_word_pair<Mask>(w, part, plane, static_cast<int64_t>(t - chunk0) * TT + s, t < TT && s < TT,
+                            s + 1 < TT && TT % 2 == 0, s + 1 < TT);
 }
 
 // Column e (0: s, 1: s + 1) of those words as the 16 fields of (t, s + e): 0 where !kept
@@ -368,11 +380,8 @@ HW_UNROLL
 HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
 HW_UNROLL
-          for (int h = 0; h < 2; ++h) {
-            const int t = q0 + warp * 16 + gq + 8 * h, s = s0 + j * 8 + 2 * tq;
-            load_part_word_pair<kPreWords>(pw[j][h], part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s,
-                                           t < TT && s < TT, s + 1 < TT && TT % 2 == 0, s + 1 < TT);
-          }
+          for (int h = 0; h < 2; ++h)
+            load_fragment_words<kPreWords>(pw[j][h], part, plane, q0, s0, mp.chunk0, TT, j, h, warp, lane);
       }
     }
     hw::cp_async_wait<1>();
@@ -524,18 +533,11 @@ HW_UNROLL
                                 : part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartC) | part_bits(kPartDC) |
                                       part_bits(kPartDD);
   // The key tile's words of the warp's fragment: Heads = 2 loads a, b, dc, dd at the tile's
-  // first head and keeps them for the second (64 registers; c, which only the dW2 grads read,
-  // is loaded per head where it is used: holding it too spilled on sm_80); Heads = 1 loads
-  // an n8 tile's half where it uses it (dq's registers hold its dq tile).
-  constexpr unsigned kHeld = Heads > 1 ? kMask & ~part_bits(kPartC) : kMask, kPerHead = kMask & ~kHeld;
+  // first head and keeps them for the second (64 registers), and c, which only the dW2 grads
+  // read, per head where it is used (holding it too spilled on sm_80); Heads = 1 loads every
+  // word of an n8 tile's half where it uses it (dq's registers hold its dq tile).
+  constexpr unsigned kHeld = Heads > 1 ? kMask & ~part_bits(kPartC) : 0u, kPerHead = kMask & ~kHeld;
   PartWord pw[kKeyN8][2][kBwdPartWords][2] = {};
-  auto load_words = [&](auto mask, PartWord (&w)[kBwdPartWords][2], int j, int h, int s0) {
-    const int t = q0 + warp * 16 + gq + 8 * h, s = s0 + j * 8 + 2 * tq;
-    load_part_word_pair<decltype(mask)::value>(w, part, plane, static_cast<int64_t>(t - mp.chunk0) * TT + s,
-                                               t < TT && s < TT, s + 1 < TT && TT % 2 == 0, s + 1 < TT);
-  };
-  using HeldWords = std::integral_constant<unsigned, kHeld>;
-  using HeadWords = std::integral_constant<unsigned, kPerHead>;
   issue(0);
   for (int i = 0; i < n_tiles; ++i) {
     const int s0 = (kt_lo + i) * kTileKeys;
@@ -548,7 +550,8 @@ HW_UNROLL
 HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
 HW_UNROLL
-          for (int h = 0; h < 2; ++h) load_words(HeldWords{}, pw[j][h], j, h, s0);
+          for (int h = 0; h < 2; ++h)
+            load_fragment_words<kHeld>(pw[j][h], part, plane, q0, s0, mp.chunk0, TT, j, h, warp, lane);
       }
       hw::cp_async_wait<1>();
       __syncthreads();
@@ -561,22 +564,14 @@ HW_UNROLL
 HW_UNROLL
         for (int h = 0; h < 2; ++h) {
           const int t = q0 + warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq, s = s0 + c;
-          if (Heads == 1) load_words(HeldWords{}, pw[j][h], j, h, s0);
-          PartWord head_words[kBwdPartWords][2] = {};  // kPerHead's words (none at Heads = 1)
-          if (kPerHead != 0u) load_words(HeadWords{}, head_words, j, h, s0);
+          load_fragment_words<kPerHead>(pw[j][h], part, plane, q0, s0, mp.chunk0, TT, j, h, warp, lane);
 HW_UNROLL
           for (int e2 = 0; e2 < 2; ++e2) {
             const int e = 2 * h + e2;
             const SmemSide ks{cols + c + e2, kColPitch};
             const bool kept = t < TT && kept_pair(t, s + e2, TT, p.causal, p.window);
-            float pt[kBwdPartFields], ph[kBwdPartFields];
-            unpack_part_column<T, kHeld>(pw[j][h], e2, kept, pt);
-            if (kPerHead != 0u) {
-              unpack_part_column<T, kPerHead>(head_words, e2, kept, ph);
-HW_UNROLL
-              for (int f = 0; f < kBwdPartFields; ++f)
-                if ((kPerHead >> (f / 2)) & 1u) pt[f] = ph[f];
-            }
+            float pt[kBwdPartFields];
+            unpack_part_column<T, kMask>(pw[j][h], e2, kept, pt);
             const float S = sc[j][e];
             const float P = bwd_prob(S, rq[u][h], ks, pt, kept);
             const float dP = bwd_grad_prob(dpp[j][e], rq[u][h], ks, pt);
