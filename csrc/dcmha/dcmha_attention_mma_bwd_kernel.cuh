@@ -54,8 +54,12 @@
 // per launch: 1 partials 2 (S twice), 2 dP' 1, 3 (S, dP') 2, 4 (S, dP') 2, 5 (S, dP', dq) 3,
 // 6 (S, dP', dv, dk) 4 = 14 products = 28 d FLOPs against flash attention's backward 5
 // products (10 d): 2.8x.
-// Bytes: the scratch (32 B per (t, s) and group) is read per head by launches 3-6 (16-32 B
-// each) from L2, the term that bounds the backward at dh <= 128 (bench/RESULTS.md).
+// Bytes: the scratch (8 words, 32 B per (t, s) and group) is read from L2, per (t, s):
+//   launch 3: a, b, dc, dd (16 B) once per pair of heads (rowsum_heads), c (4 B) per head;
+//   launch 4: a, b, dc, dd (16 B) once per group (kept in registers across its heads);
+//   launch 5: a, b, dc, dd, da, db (24 B) per head;   launch 6: all 8 words (32 B) per head;
+// so 12 hg + 16 + 24 hg + 32 hg = 68 hg + 16 bytes a group (a load per head in every launch
+// would be 92 hg). L2 and shared memory bound the backward at dh <= 128 (bench/RESULTS.md).
 // No tensor scales with T S: the scratch is B G 8 chunk T words with chunk rows chosen
 // under kScratchBytes (256 MiB; 256 rows at B = 8, G = 1, T = 4096) but at least 64 (so
 // B G 2 KiB T where that is over the cap); dk, dv fp32 are O(B H T d), the tables O(B H T),
@@ -727,32 +731,29 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   float odv[DTiles][4], odk[DTiles][4];
   zero_tile(odv);
   zero_tile(odk);
-  // The thread's running grads of slot 1 and slot 3, per row (key): in its smem row
-  // between query tiles, so that no register holds them through the products.
-  auto slot_grads = [&](float (&acc1)[2][5], float (&acc3)[2][5], bool store) {
+  // The thread's running grads per row (key) h: acc[h][0..4] slot 1's, acc[h][5..9] slot
+  // 3's (add_slot_grads' order). In its smem row between query tiles, so that no register
+  // holds them through the products.
+  static_assert(kKeySlotGrads == 2 * 10, "two rows of two slots' 5 grads");
+  auto slot_grads = [&](float (&acc)[2][10], bool store) {
 HW_UNROLL
     for (int v = 0; v < kKeySlotGrads; v += 4) {
       float x[4];
       if (store) {
 HW_UNROLL
-        for (int u = 0; u < 4; ++u) x[u] = (v + u) % 10 < 5 ? acc1[(v + u) / 10][(v + u) % 10]
-                                                             : acc3[(v + u) / 10][(v + u) % 10 - 5];
+        for (int u = 0; u < 4; ++u) x[u] = acc[(v + u) / 10][(v + u) % 10];
         hw::store_from_float<4>(own + v, x);
       } else {
         hw::load_as_float<4>(own + v, x);
 HW_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          if ((v + u) % 10 < 5) acc1[(v + u) / 10][(v + u) % 10] = x[u];
-          else acc3[(v + u) / 10][(v + u) % 10 - 5] = x[u];
-        }
+        for (int u = 0; u < 4; ++u) acc[(v + u) / 10][(v + u) % 10] = x[u];
       }
     }
   };
   {
-    float acc1[2][5], acc3[2][5];
-    zero_tile(acc1);
-    zero_tile(acc3);
-    slot_grads(acc1, acc3, true);
+    float acc[2][10];
+    zero_tile(acc);
+    slot_grads(acc, true);
   }
 
   constexpr unsigned kMask = part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartC) | part_bits(kPartD) |
@@ -771,8 +772,8 @@ HW_UNROLL
     qk_tile<T>(sc, ks, qt + c_half * ldq, ldq, mp.dh_pad, slab, lane, p.scale);  // S^T: rows s, columns t
     qk_tile<T>(dpp, vs, ot + c_half * ldv, ldv, mp.dv_pad, slab, lane, 1.f);     // dP'^T = V dO^T
     const float* cols = colf + stage * kQueryTileCols * kQueryRecord;
-    float acc1[2][5], acc3[2][5];
-    slot_grads(acc1, acc3, false);
+    float acc[2][10];
+    slot_grads(acc, false);
     // One n8 tile of the fragments at a time, in a loop that is not unrolled: unrolled,
     // ptxas issued both tiles' loads together (8 elements x 16 scratch fields, and their
     // side values) and spilled at the 255-register cap. The tile's P' and scale dL go to
@@ -809,8 +810,8 @@ HW_UNROLL
         const float P = bwd_prob(S, qs, ks, pt, kept);
         const float dPp = kept ? (j == 0 ? dpp[0][e] : dpp[1][e]) : 0.f;
         const float dLp = P * (bwd_grad_prob(dPp, qs, ks, pt) - qs[kStatD]);
-        add_slot_grads(acc3[h], P, dPp, pt + kPartDD, pt + kPartD);
-        add_slot_grads(acc1[h], S, dLp, pt + kPartDB, pt + kPartB);
+        add_slot_grads(acc[h] + 5, P, dPp, pt + kPartDD, pt + kPartD);  // slot 3
+        add_slot_grads(acc[h], S, dLp, pt + kPartDB, pt + kPartB);      // slot 1
         pp[e] = bwd_post_prob(P, qs, ks, pt, kept);                   // P'
         dl[e] = kept ? bwd_grad_logit(dLp, qs, ks, pt) * p.scale : 0.f;  // scale dL
       }
@@ -821,7 +822,7 @@ HW_UNROLL
         *reinterpret_cast<uint32_t*>(dlt + at) = pack2<T>(dl[2 * h], dl[2 * h + 1]);
       }
     }
-    slot_grads(acc1, acc3, true);
+    slot_grads(acc, true);
     __syncthreads();
     // dv += P'^T dO, dk += (scale dL)^T Q over the 32 queries: the slab's A rows by
     // ldmatrix, the query rows by ldmatrix.trans, half hf's n8 tiles.
@@ -863,24 +864,18 @@ HW_UNROLL
   add_rows(odv, bp.dv + head * TT * p.dv, p.dv, dv0, dv8);
   add_rows(odk, bp.dk + head * TT * p.dh, p.dh, dk0, dk8);
   // The key-slot grads: each half's quad sums, half 1's through smem, added to half 0's.
-  float acc1[2][5], acc3[2][5];
-  slot_grads(acc1, acc3, false);
+  float acc[2][10];
+  slot_grads(acc, false);
 HW_UNROLL
   for (int h = 0; h < 2; ++h)
 HW_UNROLL
-    for (int i = 0; i < 5; ++i) {
-      acc1[h][i] = quad_sum(acc1[h][i]);
-      acc3[h][i] = quad_sum(acc3[h][i]);
-    }
+    for (int i = 0; i < 10; ++i) acc[h][i] = quad_sum(acc[h][i]);
   if (hf == 1 && tq == 0) {
 HW_UNROLL
     for (int h = 0; h < 2; ++h) {
       float* x = half1 + (slab * 16 + gq + 8 * h) * (kKeySlotGrads / 2);
 HW_UNROLL
-      for (int i = 0; i < 5; ++i) {
-        x[i] = acc1[h][i];
-        x[5 + i] = acc3[h][i];
-      }
+      for (int i = 0; i < 10; ++i) x[i] = acc[h][i];
     }
   }
   __syncthreads();
@@ -891,12 +886,9 @@ HW_UNROLL
       if (s >= TT) continue;
       const float* x = half1 + r * (kKeySlotGrads / 2);
 HW_UNROLL
-      for (int i = 0; i < 5; ++i) {
-        acc1[h][i] += x[i];
-        acc3[h][i] += x[5 + i];
-      }
-      put_slot_grads<true>(bp, head, s, 1, acc1[h]);
-      put_slot_grads<true>(bp, head, s, 3, acc3[h]);
+      for (int i = 0; i < 10; ++i) acc[h][i] += x[i];
+      put_slot_grads<true>(bp, head, s, 1, acc[h]);
+      put_slot_grads<true>(bp, head, s, 3, acc[h] + 5);
     }
   }
 }
