@@ -26,7 +26,7 @@ namespace dcmha {
 
 struct AttnBwdParams {
   AttnParams f;       // q, k, v, weights, geometry (f.out, f.stats unused)
-  const float* stats; // [2, B, H, T]
+  const float* stats; // [2, B, H, T]: the forward's M, then 1 / Z (0 where Z = 0; the launcher's)
   const void* dout;   // [B, H, T, dv]
   float* D;           // [B, H, T] written by the query kernel, read by the key kernel
   void* dq;           // [B, H, T, dh]
@@ -160,9 +160,8 @@ __global__ void __launch_bounds__(kAttnThreads) dcmha_attention_bwd_query(const 
   }
   for (int n = tid; n < H; n += nthreads) {
     const int64_t so = (static_cast<int64_t>(b) * H + n) * TT + t;
-    const float z = p.stats[static_cast<int64_t>(f.B) * H * TT + so];
     stat[n] = p.stats[so];
-    stat[H + n] = z > 0.f ? 1.f / z : 0.f;
+    stat[H + n] = p.stats[static_cast<int64_t>(f.B) * H * TT + so];
   }
   __syncthreads();
   const float* pre = wq;
@@ -246,8 +245,12 @@ __global__ void __launch_bounds__(kAttnThreads) dcmha_attention_bwd_query(const 
   }
 }
 
+// Bounds (threads, 1 CTA): at the default ptxas held the fp32 kernel to 64 registers on sm_90
+// and spilled 24 bytes; with them it takes 123-149 (sm_80 to sm_100) and spills nothing. The
+// trade: at most 3-4 CTAs per SM where 64 registers allowed 8; its shared memory
+// (attn_bwd_smem_floats: 130 KiB at H = 32, dh = dv = 128) allows 1 there anyway.
 template <typename T>
-__global__ void __launch_bounds__(kAttnThreads) dcmha_attention_bwd_key(const AttnBwdParams p) {
+__global__ void __launch_bounds__(kAttnThreads, 1) dcmha_attention_bwd_key(const AttnBwdParams p) {
   const AttnParams& f = p.f;
   const int s = blockIdx.x, b = blockIdx.y, H = f.H, TT = f.T, dh = f.dh, dv = f.dv, hg = f.hg;
   const int tid = threadIdx.x, nthreads = blockDim.x;
@@ -318,8 +321,7 @@ __global__ void __launch_bounds__(kAttnThreads) dcmha_attention_bwd_key(const At
       compose_heads(x, y, H, hg, qw1, qw2, qg, kpre, kpre + kR * H, kpre + 2 * kR * H);
       for (int n = 0; n < H; ++n) {
         const int64_t so = (static_cast<int64_t>(b) * H + n) * TT + t;
-        const float z = p.stats[static_cast<int64_t>(f.B) * H * TT + so];
-        pr[n] = z > 0.f ? expf(y[n] - p.stats[so]) / z : 0.f;
+        pr[n] = expf(y[n] - p.stats[so]) * p.stats[static_cast<int64_t>(f.B) * H * TT + so];
       }
       slot_weights(f, b, t, 2, qw1, qw2, qg);
       compose_heads_bwd(pr, dpp, dp, H, hg, qw1, qw2, qg, kpost, kpost + kR * H, kpost + 2 * kR * H, nullptr,

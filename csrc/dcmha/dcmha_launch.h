@@ -611,9 +611,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     launch_mma_attention_backward(f, qc, kc, vc, dout, st, dq, dk, dv, dw1, dw2, dg, dh_pad, dv_pad);
   } else if (s.batch * s.seq > 0) {
     at::Tensor D = new_output({s.batch, s.heads, s.seq}, w1f.options());  // rowsum(P dP) for the key kernel
+    // (M, 1 / Z): both kernels form P = exp(L - M) (1 / Z) as the forward does, with no
+    // division in their loops (the call to its slow path spilled the key kernel); the
+    // reciprocal correctly rounded, as the forward's 1 / Z.
+    const at::Tensor z = st.select(0, 1);
+    const at::Tensor inv_stats = at::stack({st.select(0, 0), at::where(z > 0, z.reciprocal(), 0.0)});
     AttnBwdParams p{};
     p.f = f;
-    p.stats = st.data_ptr<float>();
+    p.stats = inv_stats.data_ptr<float>();
     p.dout = dout.data_ptr();
     p.D = D.data_ptr<float>();
     p.dq = dq.data_ptr();
