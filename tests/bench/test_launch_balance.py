@@ -73,3 +73,63 @@ def test_the_backward_cases_count_each_kernels_work_alike_before_and_now():
     steps = sum(-(-(c0 + 128 - max(c0, 64 * j)) // 32) for c0 in range(0, seq, 128) for j in range(tiles)
                 if c0 + 128 > 64 * j)
     assert sum(sum(w) for w in cases["now"]["dcmha_attn_bwd_dkv"]) == batch * heads * steps
+
+
+def test_the_forward_cases_hold_a_causal_band_per_chunk():
+    batch, heads, seq = 2, 3, 1024
+    cases = lb.forward_cases(batch=batch, heads=heads, seq=seq, chunk=512)
+    band = batch * sum(2 * (i + 1) for i in range(seq // 64))
+    assert sum(sum(w) for w in cases["dcmha_attn_stats"]) == band
+    assert sum(sum(w) for w in cases["dcmha_attn_partials"]) == band
+    assert sum(sum(w) for w in cases["dcmha_attn_output"]) == heads * band
+    assert [len(launches) for launches in cases.values()] == [2, 2, 2]
+    # 64-key splits hold at most 2 key tiles, the partials' CTAs one; the output's last
+    # query tile holds its whole band.
+    assert max(max(w) for w in cases["dcmha_attn_stats"]) == 2
+    assert max(max(w) for w in cases["dcmha_attn_partials"]) == 1
+    assert max(max(w) for w in cases["dcmha_attn_output"]) == seq // 32
+
+
+def test_a_phase_of_uniform_launches_that_fill_the_gpu_takes_its_even_time():
+    est = {"k": (2.0, 3), "untimed": (0.5, 8)}
+    even, cap_slots, cap_one = lb.scheduled_ms(est, {"k": [[1] * (3 * lb.SMS)]})
+    assert even == pytest.approx(2.5)
+    assert cap_slots == pytest.approx(2.5)
+    # One wave of one CTA per slot at cap 1: three share an SM, the same time.
+    assert cap_one == pytest.approx(2.5)
+    # A lone CTA at a cap of 1/3 takes 3 SM-times of its work where the even spread counts
+    # 1/132 of one: the schedule adds what the even estimate leaves out.
+    _, lone, _ = lb.scheduled_ms({"k": (1.0, 3)}, {"k": [[1]]})
+    assert lone == pytest.approx(3 * lb.SMS)
+
+
+def test_the_dcformer_floor_counts_six_fp32_products_and_eleven_score_passes():
+    f = lb.dcformer_floor_ms(batch=8, heads=32, seq=4096, dh=128, chunk=128, fp32_flops_per_s=1e12,
+                             hbm_bytes_per_s=1e12)
+    # Per chunk six products of 2 B H 128 S d FLOPs against all S keys (masked, not skipped).
+    assert f["gemm_ms"] == pytest.approx(6 * 2 * 8 * 32 * 4096 * 4096 * 128 / 1e9)
+    assert f["bytes_ms"] == pytest.approx(11 * 4 * 8 * 32 * 4096 * 4096 / 1e9)
+    assert f["floor_ms"] == pytest.approx(f["gemm_ms"] + f["bytes_ms"])
+    # A ragged last chunk still forms its full chunk of rows.
+    g = lb.dcformer_floor_ms(batch=1, heads=1, seq=130, dh=8, chunk=128)
+    assert g["gemm_ms"] == pytest.approx(2 * lb.dcformer_floor_ms(batch=1, heads=1, seq=128, dh=8, chunk=128)["gemm_ms"]
+                                         * 130 / 128)
+
+
+def test_the_targets_table_reads_the_profile_and_the_measured_flash_time(tmp_path):
+    import json
+
+    from headwise.bench.calibrate import DEFAULT_ESTIMATES
+
+    flash = tmp_path / "targets.json"
+    flash.write_text(json.dumps({"rows": [{"target": "dcmha forward + backward", "ms": 1.0,
+                                           "baseline": "SDPA flash forward + backward", "baseline_ms": 10.0}]}))
+    lines = lb.targets_table(str(DEFAULT_ESTIMATES), flash_json=str(flash))
+    text = "\n".join(lines)
+    assert "4x SDPA flash fwd + bwd (MEASURED x 4)" in text and "40.00" in text
+    assert "DCFormer formulation, floor" in text
+    total = next(ln for ln in lines if ln.startswith("forward + backward")).split()[-3:]
+    fwd = next(ln for ln in lines if ln.startswith("forward ") and "+" not in ln).split()[-3:]
+    bwd = next(ln for ln in lines if ln.startswith("backward")).split()[-3:]
+    assert [float(t) for t in total] == pytest.approx([float(a) + float(b) for a, b in zip(fwd, bwd)], abs=0.011)
+    assert lb.measured_flash_ms(str(tmp_path / "absent.json")) is None

@@ -34,14 +34,28 @@ at the target shape, B = 8, one group of H = 32 heads, T = 4096 causal, 64-row q
   of 256-key splits (before) or of one key tile (tiles, now), the row kernels (rowsum, dq)
   a CTA per (query tile, head, b) over the band, the rowsum's band cut into 3 key splits
   (now) with their combine after it, the key kernel (dk and dv; two kernels in older
-  profiles) a CTA per (64-key tile, head, b) over the chunk's 32-row query steps in its band.
+  profiles) a CTA per (64-key tile, head, b) over the chunk's 32-row query steps in its band;
+- the forward's launches per 512-row query chunk (its scratch of 4 words a (t, s) under the
+  cap), weighted by the profile's estimates like the backward's: the statistics sweep in
+  64-key splits, the partials sweep a key tile a CTA, the output kernel a CTA per
+  (query tile, head, b) over the band.
+Last, issue 16's targets at that shape: the forward and backward estimates, evenly spread
+and scheduled, against 4x SDPA flash's forward + backward as the H200 measured it
+(bench/h200_2026-11-30/targets_dcmha_backward.json) and against a floor of DCFormer's
+formulation as `bench.targets` times it (dcformer_floor: the reference math per 128-row
+query chunk, compiled; its products in fp32 at the FP32 peak, its score-shaped fp32
+tensors at HBM bandwidth: no implementation of that formulation can be faster).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 SMS = 132
+# The H200's measurement of SDPA flash (plain MHA, the target shape), issue 16's baseline.
+FLASH_MEASURED = (Path(__file__).resolve().parents[3] / "bench" / "h200_2026-11-30"
+                  / "targets_dcmha_backward.json")
 
 
 def makespan(works: list[float], slots: int, cap: float, sms: int = SMS) -> float:
@@ -142,6 +156,7 @@ def key_ctas(rows: range, batch: int, heads: int, seq: int, key_rows: int = 64, 
 BACKWARD_KERNELS = ("dcmha_attn_partials", "dcmha_attn_bwd_dpost", "dcmha_attn_bwd_rowsum",
                     "dcmha_attn_bwd_rowsum_combine", "dcmha_attn_bwd_dpre", "dcmha_attn_bwd_dq", "dcmha_attn_bwd_dkv",
                     "dcmha_attn_bwd_dv", "dcmha_attn_bwd_dk")
+FORWARD_KERNELS = ("dcmha_attn_stats", "dcmha_attn_partials", "dcmha_attn_output")
 ROWSUM_KEY_SPLITS = 3  # kRowsumKeySplits (dcmha_attention_mma_bwd_kernel.cuh)
 ROWSUM_HEADS = 2  # rowsum_heads(hg) at an even group size
 
@@ -168,6 +183,18 @@ def backward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int 
                        else (combine if name in ("splits", "now") else []) if k.endswith("combine")
                        else rows if k.endswith("dq") else keys for k in BACKWARD_KERNELS}
     return cases
+
+
+def forward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int = 512) -> dict[str, list[list[int]]]:
+    """Per scheduled forward kernel, its launches (one per query chunk of `chunk` rows): the
+    statistics sweep's CTAs of 64-key splits (kStatsSplitKeys), the partials sweep's of one
+    32-key tile (kSweepSplitKeys), the output kernel's a CTA per (query tile, head, b) over
+    the tile's band (dcmha_attention_mma_kernel.cuh). The weights transpose and the
+    statistics combine, whose CTAs are alike, are left to their even estimate."""
+    chunks = [range(c0, min(c0 + chunk, seq)) for c0 in range(0, seq, chunk)]
+    return {"dcmha_attn_stats": [split_ctas(c, batch, split_keys=64) for c in chunks],
+            "dcmha_attn_partials": [split_ctas(c, batch, split_keys=32) for c in chunks],
+            "dcmha_attn_output": [row_ctas(c, batch, heads) for c in chunks]}
 
 
 def span_ratio(launches: list[list[int]], slots: int, cap: float) -> float:
@@ -199,6 +226,103 @@ def backward_table(estimates: str, chunk: int = 256) -> list[str]:
     return lines
 
 
+def _phase_estimates(estimates: str, phase: str) -> dict[str, tuple[float, int]]:
+    """kernel -> (estimate ms, CTAs per SM) of the profile's dcmha `phase` ("fwd" / "bwd")."""
+    import json
+
+    with open(estimates) as f:
+        targets = json.load(f)["targets"]
+    return {t["kernel"]: (t["est_us"] / 1e3, int(t["ctas_per_sm"])) for t in targets
+            if t["op_key"] == "dcmha" and t["phase"] == phase}
+
+
+def scheduled_ms(est: dict[str, tuple[float, int]], cases: dict[str, list[list[int]]]) -> tuple[float, float, float]:
+    """(even, cap 1/slots, cap 1) ms of a phase: each kernel in `cases` at its estimate times its
+    launches' span ratio, every other kernel of the phase at its even estimate."""
+    even = sum(ms for ms, _ in est.values())
+    capped = [even, even]
+    for kernel, launches in cases.items():
+        if kernel in est:
+            ms, slots = est[kernel]
+            for i, cap in enumerate((1 / slots, 1.0)):
+                capped[i] += ms * (span_ratio(launches, slots, cap) - 1.0)
+    return even, capped[0], capped[1]
+
+
+def forward_table(estimates: str, chunk: int = 512) -> list[str]:
+    """The forward's scheduled kernels at their CTAs per SM (cap 1 / slots and 1), weighted
+    by the profile's estimates of them."""
+    est = _phase_estimates(estimates, "fwd")
+    cases = forward_cases(chunk=chunk)
+    lines = [f"{'kernel':<32}{'CTAs/SM':>8}{'est ms':>8}{'cap 1/slots':>14}{'cap 1':>10}"]
+    for kernel, launches in cases.items():
+        if kernel in est:
+            ms, slots = est[kernel]
+            lines.append(f"{kernel:<32}{slots:>8}{ms:>8.2f}"
+                         + "".join(f"{span_ratio(launches, slots, cap):>{w}.2f}x" for w, cap in ((13, 1 / slots), (9, 1.0))))
+    even, cap_slots, cap_one = scheduled_ms(est, cases)
+    lines.append(f"{'forward, every kernel (ms)':<32}{'':>8}{even:>8.2f}{cap_slots:>14.2f}{cap_one:>10.2f}")
+    return lines
+
+
+def dcformer_floor_ms(batch: int = 8, heads: int = 32, seq: int = 4096, dh: int = 128, chunk: int = 128,
+                      fp32_flops_per_s: float = 67e12, hbm_bytes_per_s: float = 4.1e12) -> dict[str, float]:
+    """A floor of DCFormer's formulation as `bench.targets` times it (reference.
+    dcmha_attention_query_chunks with each chunk's rows compiled), forward + backward. Per
+    query chunk it forms the [B, H, chunk, S] scores against every key (masked, not
+    skipped) in fp32, the reference's accumulation dtype: six products of 2 B H chunk S d
+    FLOPs (QK^T and P'V; dP' = dO V^T, dV, dQ, dK), fp32 GEMMs under torch's default
+    float32 matmul precision, at the FP32 peak; and at least 11 passes over a score-shaped
+    fp32 tensor at HBM bandwidth (forward: the logits written and read, P' written and
+    read; backward: dP' written and read, the saved P' or logits read, dL written and read
+    twice, P' read for dV), with every compose, softmax and mask fused into those passes.
+    Kernels of one stream run one after another, so the floor is the sum."""
+    chunks = -(-seq // chunk)
+    gemm_flops = 6 * 2 * batch * heads * chunk * seq * dh * chunks
+    score_bytes = 11 * 4 * batch * heads * chunk * seq * chunks
+    gemm_ms, bytes_ms = gemm_flops / fp32_flops_per_s * 1e3, score_bytes / hbm_bytes_per_s * 1e3
+    return {"gemm_ms": gemm_ms, "bytes_ms": bytes_ms, "floor_ms": gemm_ms + bytes_ms}
+
+
+def measured_flash_ms(path: str) -> float | None:
+    """SDPA flash forward + backward (plain MHA, the target shape) from a lent GPU's
+    `bench.targets dcmha-backward` JSON, or None where there is none."""
+    import json
+    import os
+
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    return next((r["baseline_ms"] for r in rows if r["baseline"].startswith("SDPA flash")), None)
+
+
+def targets_table(estimates: str, forward_chunk: int = 512, backward_chunk: int = 256,
+                  flash_json: str | None = None) -> list[str]:
+    """Issue 16's targets at B=8 H=32 T=4096 dh=128 causal: forward + backward (evenly spread;
+    scheduled at cap 1 / slots and cap 1) against 4x flash's measured forward + backward and
+    against the DCFormer floor. ESTIMATES on both sides but flash's."""
+    from headwise.bench.sim_profile import H200
+
+    fwd = scheduled_ms(_phase_estimates(estimates, "fwd"), forward_cases(chunk=forward_chunk))
+    bwd = scheduled_ms(_phase_estimates(estimates, "bwd"), backward_cases(chunk=backward_chunk)["now"])
+    total = [f + b for f, b in zip(fwd, bwd)]
+    lines = [f"{'headwise (ESTIMATE, ms)':<40}{'even':>10}{'cap 1/slots':>14}{'cap 1':>10}"]
+    for name, row in (("forward", fwd), ("backward", bwd), ("forward + backward", total)):
+        lines.append(f"{name:<40}" + "".join(f"{x:>{w}.2f}" for w, x in zip((10, 14, 10), row)))
+    flash = measured_flash_ms(flash_json) if flash_json else None
+    if flash is not None:
+        lines.append(f"{'4x SDPA flash fwd + bwd (MEASURED x 4)':<40}{4 * flash:>10.2f}"
+                     f"   ({flash:.2f} ms measured: {flash_json}); ratio {total[0] / flash:.2f}x / "
+                     f"{total[1] / flash:.2f}x / {total[2] / flash:.2f}x of flash (goal 4)")
+    dcf = dcformer_floor_ms(fp32_flops_per_s=H200.fp32_flops_per_s, hbm_bytes_per_s=H200.hbm_bytes_per_s)
+    lines.append(f"{'DCFormer formulation, floor (ms)':<40}{dcf['floor_ms']:>10.2f}"
+                 f"   (fp32 GEMMs {dcf['gemm_ms']:.1f} + score bytes {dcf['bytes_ms']:.1f}); headwise at "
+                 f"{total[0] / dcf['floor_ms']:.2f}x / {total[1] / dcf['floor_ms']:.2f}x / "
+                 f"{total[2] / dcf['floor_ms']:.2f}x of it (goal < 1)")
+    return lines
+
+
 def table(title: str, cases: dict[str, list[list[int]]], configs) -> list[str]:
     width = max(16, *(len(name) + 2 for name in cases))
     lines = [title, f"{'CTAs per SM, cap of one CTA':<30}" + "".join(f"{name:>{width}}" for name in cases)]
@@ -217,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the --sim-profile JSON whose backward kernels' estimates and CTAs per SM weight the table")
     ap.add_argument("--backward-chunk", type=int, default=256,
                     help="query rows of a backward chunk (256: the launcher's at the target shape)")
+    ap.add_argument("--forward-chunk", type=int, default=512,
+                    help="query rows of a forward chunk (512: the launcher's at the target shape)")
+    ap.add_argument("--flash-json", default=str(FLASH_MEASURED),
+                    help="a lent GPU's `bench.targets dcmha-backward` JSON (SDPA flash's measured time)")
     args = ap.parse_args(argv)
     head = "B=8 H=32 T=4096 causal: makespan / balanced (ESTIMATE, processor sharing)"
     configs = ((3, 1 / 3), (3, 0.5), (3, 1.0), (2, 0.5), (1, 1.0))
@@ -226,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"DCMHA backward per {args.backward_chunk}-row query chunk, {head}; weighted by {args.estimates}")
     print("\n".join(backward_table(args.estimates, args.backward_chunk)))
+    print()
+    print(f"DCMHA forward per {args.forward_chunk}-row query chunk, {head}; weighted by {args.estimates}")
+    print("\n".join(forward_table(args.estimates, args.forward_chunk)))
+    print()
+    print("Issue 16's targets, B=8 H=32 T=4096 dh=128 causal bf16, head_groups=1 (ESTIMATES but the flash row)")
+    print("\n".join(targets_table(args.estimates, args.forward_chunk, args.backward_chunk, args.flash_json)))
     return 0
 
 
