@@ -39,8 +39,10 @@
 //      the chunk's tiles looped, each warp 16 keys x 16 queries): P' and dL^T on the
 //      fragments, staged to smem as T, then dv += P'^T dO and dk += dL^T Q on mma (each
 //      warp 16 keys x half the columns); the slot-1 and slot-3 grads. dk, dv and the
-//      key-slot grads are fp32 buffers that each chunk adds to in launch order (bitwise
-//      repeatable, no atomics); the launcher converts dk, dv.
+//      key-slot grads are fp32 sums over the chunks in launch order (bitwise repeatable, no
+//      atomics): the first chunk that reads a key tile stores its share of dk, dv, later
+//      ones add theirs, and the last writes the sum in T to dk, dv (no zero-fill and no
+//      conversion pass over the fp32 sums).
 // Around the chunks: dcmha_attn_weights_t builds the weights table [B, H, 23, T] (the 20
 // weight fields, then M, 1/Z from the forward's statistics and D from launch 3), and
 // dcmha_attn_grads_untranspose turns the grads table [B, H, 20, T] (written with t or s
@@ -108,8 +110,10 @@ struct MmaAttnBwdParams {
   float* wt;         // m.wt, writable: launch 3 writes field kFieldD
   const void* dout;  // [B, H, T, dv]
   void* dq;          // [B, H, T, dh]
-  float* dk;         // [B, H, T, dh] fp32, added to by every chunk (zeroed by the launcher)
-  float* dv;         // [B, H, T, dv] fp32, likewise
+  float* dk;         // [B, H, T, dh] fp32 sums of the chunks' shares: stored by the first chunk
+  float* dv;         // that reads a key tile, added to by the later ones ([B, H, T, dv])
+  void* dk_out;      // [B, H, T, dh] in q's dtype: the last chunk that reads a key tile writes
+  void* dv_out;      // its sum + share here ([B, H, T, dv]): no zero-fill, no conversion pass
   int key_tile0;     // 64-key tile of the key kernels' blockIdx.x = 0 (the first of the chunk's band)
   float* rowsum_parts;  // [B H, kRowsumKeySplits, kRowsumFields, rowsum_pitch] fp32: launch 3's
                         // per-split sums of the chunk's rows (row t at t - chunk0)
@@ -661,7 +665,7 @@ HW_UNROLL
 // query tiles. The side weights of an n8 tile's elements (2 query columns x 13 fields, 2
 // key rows x 10) come from smem records by 16-byte loads, 14 per tile where scalar reads
 // of [field][position] tables took 46. DTiles bounds half of max(dh_pad, dv_pad) / 8
-// (key_half_n8). 228-238 registers (1 CTA of 8 warps per SM), no spill (bench/ptxas_sm*.txt).
+// (key_half_n8). 225-241 registers (1 CTA of 8 warps per SM), no spill (bench/ptxas_sm*.txt).
 
 // The n8 tiles [first, first + count) of half hf of a d_pad-wide product: half 0 takes the
 // even number at or above n8 / 2, so that each half's tiles go in pairs.
@@ -677,12 +681,15 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.y, b = blockIdx.z;
   const int bg = b * (H / hg) + m / hg;
   const int s0 = (bp.key_tile0 + blockIdx.x) * kTileRows;
-  // Query rows reading keys [s0, s0 + 64): causal t >= s0, window t < s0 + 63 + W.
-  int lo = p.causal ? s0 : 0, hi = p.window > 0 ? s0 + kTileRows - 1 + p.window : TT;
-  lo = lo > mp.chunk0 ? lo : mp.chunk0;
+  // Query rows reading keys [s0, s0 + 64): [lo_all, hi_all), causal t >= s0, window
+  // t < s0 + 63 + W; this chunk's share of them, [lo, hi).
+  const int lo_all = p.causal ? s0 : 0;
+  const int hi_all = p.window > 0 && s0 + kTileRows - 1 + p.window < TT ? s0 + kTileRows - 1 + p.window : TT;
   const int c1 = mp.chunk0 + mp.chunk < TT ? mp.chunk0 + mp.chunk : TT;
-  hi = hi < c1 ? hi : c1;
+  const int lo = lo_all > mp.chunk0 ? lo_all : mp.chunk0, hi = hi_all < c1 ? hi_all : c1;
   if (s0 >= TT || lo >= hi) return;
+  // The chunks run in order: the first that reads the tile holds lo_all, the last hi_all - 1.
+  const bool first_chunk = lo_all >= mp.chunk0, last_chunk = hi_all <= c1;
   const int t_lo = lo / kQueryTileCols * kQueryTileCols;
   const int n_tiles = (hi - t_lo + kQueryTileCols - 1) / kQueryTileCols;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
@@ -838,8 +845,9 @@ HW_UNROLL
     }
   }
   hw::cp_async_wait<0>();
-  // Add this chunk's share to the fp32 dk / dv rows.
-  auto add_rows = [&](const float (&o)[DTiles][4], float* dst, int d, int j0, int n8) {
+  // This chunk's shares of the dk / dv rows: after the first chunk that reads the tile, plus
+  // the fp32 sums of the chunks before (pairs: a row's 32 bytes a request).
+  auto add_sums = [&](float (&o)[DTiles][4], const float* sums, int d, int j0, int n8) {
 HW_UNROLL
     for (int j = 0; j < DTiles; ++j) {
       if (j >= n8) break;
@@ -847,22 +855,60 @@ HW_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int s = s0 + slab * 16 + gq + 8 * h, c = (j0 + j) * 8 + 2 * tq;
         if (s >= TT) continue;
-        float* row = dst + static_cast<int64_t>(s) * d + c;
+        const int64_t at = static_cast<int64_t>(s) * d + c;
         if (d % 2 == 0 && c < d) {  // 8-byte accesses (rows of even length start 8-byte aligned)
-          float pair[2];
-          hw::load_as_float<2>(row, pair);
-          pair[0] += o[j][2 * h];
-          pair[1] += o[j][2 * h + 1];
-          hw::store_from_float<2>(row, pair);
+          float sum[2];
+          hw::load_as_float<2>(sums + at, sum);
+          o[j][2 * h] = sum[0] + o[j][2 * h];
+          o[j][2 * h + 1] = sum[1] + o[j][2 * h + 1];
         } else {
-          if (c < d) row[0] += o[j][2 * h];
-          if (c + 1 < d) row[1] += o[j][2 * h + 1];
+HW_UNROLL
+          for (int e = 0; e < 2; ++e)
+            if (c + e < d) o[j][2 * h + e] = sums[at + e] + o[j][2 * h + e];
         }
       }
     }
   };
-  add_rows(odv, bp.dv + head * TT * p.dv, p.dv, dv0, dv8);
-  add_rows(odk, bp.dk + head * TT * p.dh, p.dh, dk0, dk8);
+  auto store_sums = [&](const float (&o)[DTiles][4], float* sums, int d, int j0, int n8) {
+HW_UNROLL
+    for (int j = 0; j < DTiles; ++j) {
+      if (j >= n8) break;
+HW_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int s = s0 + slab * 16 + gq + 8 * h, c = (j0 + j) * 8 + 2 * tq;
+        if (s >= TT) continue;
+        const int64_t at = static_cast<int64_t>(s) * d + c;
+        if (d % 2 == 0 && c < d) {
+          const float pair[2] = {o[j][2 * h], o[j][2 * h + 1]};
+          hw::store_from_float<2>(sums + at, pair);
+        } else {
+HW_UNROLL
+          for (int e = 0; e < 2; ++e)
+            if (c + e < d) sums[at + e] = o[j][2 * h + e];
+        }
+      }
+    }
+  };
+  float* dk_sums = bp.dk + head * TT * p.dh;
+  float* dv_sums = bp.dv + head * TT * p.dv;
+  if (!first_chunk) {
+    add_sums(odv, dv_sums, p.dv, dv0, dv8);
+    add_sums(odk, dk_sums, p.dh, dk0, dk8);
+  }
+  if (last_chunk) {
+    // dk, dv in T as whole rows through the K and V tiles' smem (16-byte chunks; stored from
+    // the fragments, a row's 16 bytes a request would take a 32-byte sector each).
+    __syncthreads();  // every warp is done with the K and V tiles
+    stage_fragment_rows<T>(odk, ks, ldq, slab * 16, dk0, dk8, lane);
+    stage_fragment_rows<T>(odv, vs, ldv, slab * 16, dv0, dv8, lane);
+    __syncthreads();
+    const int rows = TT - s0 < kTileRows ? TT - s0 : kTileRows;
+    store_staged_rows<T>(ks, ldq, static_cast<T*>(bp.dk_out) + head * TT * p.dh, s0, rows, p.dh, mp.vec16);
+    store_staged_rows<T>(vs, ldv, static_cast<T*>(bp.dv_out) + head * TT * p.dv, s0, rows, p.dv, mp.vec16);
+  } else {
+    store_sums(odv, dv_sums, p.dv, dv0, dv8);
+    store_sums(odk, dk_sums, p.dh, dk0, dk8);
+  }
   // The key-slot grads: each half's quad sums, half 1's through smem, added to half 0's.
   float acc[2][10];
   slot_grads(acc, false);

@@ -434,38 +434,52 @@ HW_UNROLL
   }
 }
 
-// The CTA's [64, d] tile o (warp w holds rows 16 w.., n8 tiles j < n8) to rows q0.. of
-// out [T, d]: staged in smem stage [64][ld] (free when called: the caller synchronizes),
-// then stored in 16-byte chunks when vec16, else per element.
+// A warp's fragment tile x (rows row0 + [0, 16), n8 tiles j0 + [0, n8)) as T into the smem
+// tile stage [rows][ld].
 template <typename T, int DTiles>
-__device__ __forceinline__ void store_row_tile(const float (&o)[DTiles][4], T* stage, int ld, int n8, T* out, int q0,
-                                               int TT, int d, int vec16, int warp, int lane) {
+__device__ __forceinline__ void stage_fragment_rows(const float (&x)[DTiles][4], T* stage, int ld, int row0, int j0,
+                                                    int n8, int lane) {
   const int gq = lane / 4, tq = lane % 4;
 HW_UNROLL
   for (int j = 0; j < DTiles; ++j) {
     if (j >= n8) break;
 HW_UNROLL
     for (int h = 0; h < 2; ++h) {
-      const int r = warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq;
-      stage[r * ld + c] = static_cast<T>(o[j][2 * h]);
-      stage[r * ld + c + 1] = static_cast<T>(o[j][2 * h + 1]);
+      const int r = row0 + gq + 8 * h, c = (j0 + j) * 8 + 2 * tq;
+      stage[r * ld + c] = static_cast<T>(x[j][2 * h]);
+      stage[r * ld + c + 1] = static_cast<T>(x[j][2 * h + 1]);
     }
   }
-  __syncthreads();
-  const int rows = TT - q0 < kTileRows ? TT - q0 : kTileRows;
+}
+
+// Rows [0, rows) of the smem tile stage [.][ld] to rows r0.. of out [T, d], by the whole
+// CTA: 16-byte chunks when vec16 (d a multiple of 8, out 16-byte aligned), else per element.
+template <typename T>
+__device__ __forceinline__ void store_staged_rows(const T* stage, int ld, T* out, int r0, int rows, int d, int vec16) {
   if (vec16) {
     const int chunks = d / 8;
     for (int x = threadIdx.x; x < rows * chunks; x += blockDim.x) {
       const int r = x / chunks, c = x % chunks;
-      hw::store_pack<T, 8>(out + static_cast<int64_t>(q0 + r) * d + c * 8,
+      hw::store_pack<T, 8>(out + static_cast<int64_t>(r0 + r) * d + c * 8,
                            *reinterpret_cast<const hw::Pack<T, 8>*>(stage + r * ld + c * 8));
     }
   } else {
     for (int x = threadIdx.x; x < rows * d; x += blockDim.x) {
       const int r = x / d, c = x % d;
-      out[static_cast<int64_t>(q0 + r) * d + c] = stage[r * ld + c];
+      out[static_cast<int64_t>(r0 + r) * d + c] = stage[r * ld + c];
     }
   }
+}
+
+// The CTA's [64, d] tile o (warp w holds rows 16 w.., n8 tiles j < n8) to rows q0.. of
+// out [T, d]: staged in smem stage [64][ld] (free when called: the caller synchronizes),
+// then stored in 16-byte chunks when vec16, else per element.
+template <typename T, int DTiles>
+__device__ __forceinline__ void store_row_tile(const float (&o)[DTiles][4], T* stage, int ld, int n8, T* out, int q0,
+                                               int TT, int d, int vec16, int warp, int lane) {
+  stage_fragment_rows<T>(o, stage, ld, warp * 16, 0, n8, lane);
+  __syncthreads();
+  store_staged_rows<T>(stage, ld, out, q0, TT - q0 < kTileRows ? TT - q0 : kTileRows, d, vec16);
 }
 
 // Kernels 0 (and the backward's grads_untranspose, its inverse): the weights [B, T, 20 H] of

@@ -255,8 +255,9 @@ inline bool mma_backward_fits(const AttnParams& p, at::ScalarType dtype, int dh_
 
 // The tensor-core backward (dcmha_attention_mma_bwd_kernel.cuh): the weights table with
 // the row statistics, then per query chunk the seven launches. dq is written; dk, dv are
-// accumulated in fp32 and converted; the weight grads go through the grads table to dw1,
-// dw2, dg (fp32, every element written).
+// summed in fp32 over the chunks, the last chunk reading a key tile writing them in q's
+// dtype; the weight grads go through the grads table to dw1, dw2, dg (fp32, every element
+// written).
 inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& dout, const at::Tensor& stats,
                                           at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dw1,
@@ -270,7 +271,8 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   // Zeroed: the key-tile kernels' lanes read (t, s) of other tiles' bands too (then drop
   // the values), and no read may be of uninitialized memory (compute-sanitizer initcheck).
   at::Tensor partials = at::zeros({p.B * groups, kBwdPartWords, chunk, p.T}, q.options().dtype(at::kInt));
-  at::Tensor dk32 = at::zeros(k.sizes(), fopt), dv32 = at::zeros(v.sizes(), fopt);
+  // Stored by the first chunk that reads a key tile, so not zeroed (dcmha_attn_bwd_keys).
+  at::Tensor dk32 = at::empty(k.sizes(), fopt), dv32 = at::empty(v.sizes(), fopt);
   at::Tensor gt = at::zeros({p.B, p.H, kWeightFields, p.T}, fopt);
   const int64_t rowsum_pitch = (std::min<int64_t>(chunk, p.T) + 31) / 32 * 32;
   at::Tensor rowsum_parts = at::empty({p.B * p.H, kRowsumKeySplits, kRowsumFields, rowsum_pitch}, fopt);
@@ -290,6 +292,8 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   bp.dq = dq.data_ptr();
   bp.dk = dk32.data_ptr<float>();
   bp.dv = dv32.data_ptr<float>();
+  bp.dk_out = dk.data_ptr();
+  bp.dv_out = dv.data_ptr();
   bp.gt = gt.data_ptr<float>();
   bp.rowsum_parts = rowsum_parts.data_ptr<float>();
   bp.rowsum_pitch = static_cast<int>(rowsum_pitch);
@@ -346,8 +350,6 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   HW_LAUNCH("dcmha_attn_grads_untranspose", dcmha_attn_grads_untranspose, transpose_grid(p),
             dim3(kTransposeThreads), wt_smem, p, static_cast<const float*>(gt.data_ptr<float>()),
             dw1.data_ptr<float>(), dw2.data_ptr<float>(), dg.data_ptr<float>(), p.T % 4 == 0 ? 1 : 0);
-  dk.copy_(dk32);
-  dv.copy_(dv32);
 }
 }  // namespace
 
