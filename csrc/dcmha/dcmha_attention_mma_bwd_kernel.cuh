@@ -845,9 +845,10 @@ HW_UNROLL
     }
   }
   hw::cp_async_wait<0>();
-  // This chunk's shares of the dk / dv rows: after the first chunk that reads the tile, plus
-  // the fp32 sums of the chunks before (pairs: a row's 32 bytes a request).
-  auto add_sums = [&](float (&o)[DTiles][4], const float* sums, int d, int j0, int n8) {
+  // The fp32 sums of the dk / dv rows at this thread's fragment elements (pairs: a row's 32
+  // bytes a request): add, o = sums + o (the shares of the chunks before this one); else
+  // sums = o.
+  auto sum_rows = [&](float (&o)[DTiles][4], float* sums, int d, int j0, int n8, bool add) {
 HW_UNROLL
     for (int j = 0; j < DTiles; ++j) {
       if (j >= n8) break;
@@ -857,34 +858,21 @@ HW_UNROLL
         if (s >= TT) continue;
         const int64_t at = static_cast<int64_t>(s) * d + c;
         if (d % 2 == 0 && c < d) {  // 8-byte accesses (rows of even length start 8-byte aligned)
-          float sum[2];
-          hw::load_as_float<2>(sums + at, sum);
-          o[j][2 * h] = sum[0] + o[j][2 * h];
-          o[j][2 * h + 1] = sum[1] + o[j][2 * h + 1];
+          float pair[2] = {o[j][2 * h], o[j][2 * h + 1]};
+          if (add) {
+            hw::load_as_float<2>(sums + at, pair);
+            o[j][2 * h] = pair[0] + o[j][2 * h];
+            o[j][2 * h + 1] = pair[1] + o[j][2 * h + 1];
+          } else {
+            hw::store_from_float<2>(sums + at, pair);
+          }
         } else {
 HW_UNROLL
-          for (int e = 0; e < 2; ++e)
-            if (c + e < d) o[j][2 * h + e] = sums[at + e] + o[j][2 * h + e];
-        }
-      }
-    }
-  };
-  auto store_sums = [&](const float (&o)[DTiles][4], float* sums, int d, int j0, int n8) {
-HW_UNROLL
-    for (int j = 0; j < DTiles; ++j) {
-      if (j >= n8) break;
-HW_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int s = s0 + slab * 16 + gq + 8 * h, c = (j0 + j) * 8 + 2 * tq;
-        if (s >= TT) continue;
-        const int64_t at = static_cast<int64_t>(s) * d + c;
-        if (d % 2 == 0 && c < d) {
-          const float pair[2] = {o[j][2 * h], o[j][2 * h + 1]};
-          hw::store_from_float<2>(sums + at, pair);
-        } else {
-HW_UNROLL
-          for (int e = 0; e < 2; ++e)
-            if (c + e < d) sums[at + e] = o[j][2 * h + e];
+          for (int e = 0; e < 2; ++e) {
+            if (c + e >= d) continue;
+            if (add) o[j][2 * h + e] = sums[at + e] + o[j][2 * h + e];
+            else sums[at + e] = o[j][2 * h + e];
+          }
         }
       }
     }
@@ -892,8 +880,8 @@ HW_UNROLL
   float* dk_sums = bp.dk + head * TT * p.dh;
   float* dv_sums = bp.dv + head * TT * p.dv;
   if (!first_chunk) {
-    add_sums(odv, dv_sums, p.dv, dv0, dv8);
-    add_sums(odk, dk_sums, p.dh, dk0, dk8);
+    sum_rows(odv, dv_sums, p.dv, dv0, dv8, true);
+    sum_rows(odk, dk_sums, p.dh, dk0, dk8, true);
   }
   if (last_chunk) {
     // dk, dv in T as whole rows through the K and V tiles' smem (16-byte chunks; stored from
@@ -906,8 +894,8 @@ HW_UNROLL
     store_staged_rows<T>(ks, ldq, static_cast<T*>(bp.dk_out) + head * TT * p.dh, s0, rows, p.dh, mp.vec16);
     store_staged_rows<T>(vs, ldv, static_cast<T*>(bp.dv_out) + head * TT * p.dv, s0, rows, p.dv, mp.vec16);
   } else {
-    store_sums(odv, dv_sums, p.dv, dv0, dv8);
-    store_sums(odk, dk_sums, p.dh, dk0, dk8);
+    sum_rows(odv, dv_sums, p.dv, dv0, dv8, false);
+    sum_rows(odk, dk_sums, p.dh, dk0, dk8, false);
   }
   // The key-slot grads: each half's quad sums, half 1's through smem, added to half 0's.
   float acc[2][10];
