@@ -253,6 +253,10 @@ inline bool mma_backward_fits(const AttnParams& p, at::ScalarType dtype, int dh_
          (static_cast<int64_t>(p.T) + kTileRows - 1) / kTileRows <= 65535;
 }
 
+// 1 / Z of the forward's row sums Z (0 where Z = 0: a row with no kept key), correctly
+// rounded as the forward's: the backward kernels multiply by it where they would divide.
+inline at::Tensor inverse_row_sums(const at::Tensor& z) { return at::where(z > 0, z.reciprocal(), 0.0); }
+
 // The tensor-core backward (dcmha_attention_mma_bwd_kernel.cuh): the weights table with
 // the row statistics, then per query chunk the seven launches. dq is written; dk, dv are
 // summed in fp32 over the chunks, the last chunk reading a key tile writing them in q's
@@ -267,7 +271,7 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kBwdWeightFields, p.T}, fopt);
   wt.select(2, kFieldM).copy_(stats[0]);
-  wt.select(2, kFieldInvZ).copy_(at::where(stats[1] > 0, stats[1].reciprocal(), at::zeros({}, fopt)));
+  wt.select(2, kFieldInvZ).copy_(inverse_row_sums(stats[1]));
   // Zeroed: the key-tile kernels' lanes read (t, s) of other tiles' bands too (then drop
   // the values), and no read may be of uninitialized memory (compute-sanitizer initcheck).
   at::Tensor partials = at::zeros({p.B * groups, kBwdPartWords, chunk, p.T}, q.options().dtype(at::kInt));
@@ -616,8 +620,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     // (M, 1 / Z): both kernels form P = exp(L - M) (1 / Z) as the forward does, with no
     // division in their loops (the call to its slow path spilled the key kernel); the
     // reciprocal correctly rounded, as the forward's 1 / Z.
-    const at::Tensor z = st.select(0, 1);
-    const at::Tensor inv_stats = at::stack({st.select(0, 0), at::where(z > 0, z.reciprocal(), 0.0)});
+    const at::Tensor inv_stats = at::stack({st.select(0, 0), inverse_row_sums(st.select(0, 1))});
     AttnBwdParams p{};
     p.f = f;
     p.stats = inv_stats.data_ptr<float>();

@@ -156,7 +156,6 @@ def key_ctas(rows: range, batch: int, heads: int, seq: int, key_rows: int = 64, 
 BACKWARD_KERNELS = ("dcmha_attn_partials", "dcmha_attn_bwd_dpost", "dcmha_attn_bwd_rowsum",
                     "dcmha_attn_bwd_rowsum_combine", "dcmha_attn_bwd_dpre", "dcmha_attn_bwd_dq", "dcmha_attn_bwd_dkv",
                     "dcmha_attn_bwd_dv", "dcmha_attn_bwd_dk")
-FORWARD_KERNELS = ("dcmha_attn_stats", "dcmha_attn_partials", "dcmha_attn_output")
 ROWSUM_KEY_SPLITS = 3  # kRowsumKeySplits (dcmha_attention_mma_bwd_kernel.cuh)
 ROWSUM_HEADS = 2  # rowsum_heads(hg) at an even group size
 
@@ -207,11 +206,7 @@ def span_ratio(launches: list[list[int]], slots: int, cap: float) -> float:
 def backward_table(estimates: str, chunk: int = 256) -> list[str]:
     """The backward's kernels at their CTAs per SM (cap 1 / slots and 1), weighted by the
     profile's estimates of them."""
-    import json
-
-    targets = [t for t in json.load(open(estimates))["targets"]
-               if t["op_key"] == "dcmha" and t["phase"] == "bwd" and t["kernel"] in BACKWARD_KERNELS]
-    est = {t["kernel"]: (t["est_us"] / 1e3, int(t["ctas_per_sm"])) for t in targets}
+    est = {k: v for k, v in _phase_estimates(estimates, "bwd").items() if k in BACKWARD_KERNELS}
     cases = backward_cases(chunk=chunk)
     lines = [f"{'kernel':<32}{'CTAs/SM':>8}{'est ms':>8}" + "".join(f"{f'{n}, cap {c}':>20}" for n in cases
                                                                    for c in ("1/slots", "1"))]
