@@ -7,6 +7,8 @@
 //   hw::mma_m16n8k16_f16(d, a, b, c)   mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32
 //   hw::mma_m16n8k8_tf32(d, a, b, c)   mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32
 //       d, c: float[4]; a: uint32_t[4]; b: uint32_t[2] (this lane's fragment registers)
+//   hw::mma_step<T>(d, a, b)           d += A B over one 32-byte k step of T: m16n8k16 for
+//       bf16 / fp16, m16n8k8 tf32 for float (fp32 bit patterns as operands)
 //   hw::ldmatrix<Num, Trans>(r, row)   ldmatrix.sync.aligned.m8n8.x{Num}{.trans}.shared.b16
 //       r: uint32_t[Num]; row: this lane's row address in shared memory (lanes 0..8*Num-1)
 //   hw::cp_async_ca<Bytes>(dst, src, src_bytes)   cp.async.ca.shared.global, Bytes = 4, 8, 16
@@ -25,7 +27,11 @@
 
 #include "simt_portability.h"
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cstdint>
+#include <type_traits>
 
 namespace hw {
 
@@ -96,6 +102,19 @@ HW_DEFINE_MMA(mma_m16n8k16_f16, f16, "mma.sync.aligned.m16n8k16.row.col.f32.f16.
 HW_DEFINE_MMA(mma_m16n8k8_tf32, tf32, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
 #undef HW_DEFINE_MMA
 #undef HW_MMA_BODY
+
+// One k step of 32 bytes of T: k16 of bf16 / fp16, k8 of tf32 for float. The A and B fragments
+// of both cover the same bytes of their rows (a lane's register holds 4 bytes of k at byte
+// 4 (lane % 4), and 16 bytes further), so one ldmatrix addressing serves every T.
+template <typename T>
+__device__ __forceinline__ void mma_step(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (std::is_same<T, c10::BFloat16>::value)
+    mma_m16n8k16_bf16(d, a, b, d);
+  else if constexpr (std::is_same<T, c10::Half>::value)
+    mma_m16n8k16_f16(d, a, b, d);
+  else
+    mma_m16n8k8_tf32(d, a, b, d);  // fp32 bit patterns; the tensor core drops the low 13 mantissa bits
+}
 
 template <int Num, bool Trans = false>
 __device__ __forceinline__ void ldmatrix(uint32_t (&r)[Num], SmemAddr row_address) {

@@ -127,17 +127,6 @@ struct StageAddresses {
   }
 };
 
-// One k16 (bf16/f16) or k8 (tf32) step: the A fragment covers 32 bytes of k, as does B.
-template <typename T>
-__device__ __forceinline__ void mma_step(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  if constexpr (std::is_same<T, c10::BFloat16>::value)
-    hw::mma_m16n8k16_bf16(d, a, b, d);
-  else if constexpr (std::is_same<T, c10::Half>::value)
-    hw::mma_m16n8k16_f16(d, a, b, d);
-  else
-    hw::mma_m16n8k8_tf32(d, a, b, d);  // fp32 bit patterns; the tensor core drops the low 13 mantissa bits
-}
-
 // Copies the first `valid` (0..kChunkElems) elements of a 16-byte chunk at src into the
 // shared chunk dst and zero-fills the rest. `fallback` is a readable address used as the
 // source of copies that read nothing. CopyBytes: 16, 4, or 2 (plain loads, 2-byte types).
@@ -658,7 +647,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_fwd_tc_kernel(TcFwdPar
 #pragma unroll
       for (int i = 0; i < kMmaM; ++i)
 #pragma unroll
-        for (int j = 0; j < kMmaN; ++j) mma_step<T>(acc[i][j], fa[i], fb[j]);
+        for (int j = 0; j < kMmaN; ++j) hw::mma_step<T>(acc[i][j], fa[i], fb[j]);
     }
     ld.next();
   }
@@ -896,7 +885,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwd
 #pragma unroll
       for (int i = 0; i < kMmaM; ++i)
 #pragma unroll
-        for (int j = 0; j < kMmaN; ++j) mma_step<T>(acc[i][j], fa[i], fb[j]);
+        for (int j = 0; j < kMmaN; ++j) hw::mma_step<T>(acc[i][j], fa[i], fb[j]);
     }
     ld.next();
   }
@@ -1012,7 +1001,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
 #pragma unroll
       for (int i = 0; i < kMmaM; ++i)
 #pragma unroll
-        for (int j = 0; j < kMmaN; ++j) mma_step<T>(acc[i][j], fa[i], fb[j]);
+        for (int j = 0; j < kMmaN; ++j) hw::mma_step<T>(acc[i][j], fa[i], fb[j]);
     }
     ld.next();
   }
