@@ -1,5 +1,6 @@
 // DCMHA fused attention forward on tensor cores (SPEC section 5), bf16 / fp16 inputs with
-// fp32 accumulation. fp32 inputs keep the SIMT kernel of dcmha_attention_kernel.cuh.
+// fp32 accumulation, and fp32 inputs as TF32 where torch's float32 matmul precision allows
+// TF32 (below). fp32 at full precision keeps the SIMT kernel of dcmha_attention_kernel.cuh.
 //
 // Math, per batch b, head group (hg heads), query row t, key s, head n of the group
 // (S_n = scale q_n[t] . k_n[s]; slot c of the weights: 0 pre-q, 1 pre-k, 2 post-q, 3 post-k):
@@ -11,8 +12,9 @@
 //                                   + W2[s,3,r,m] d_r) v_m[s]
 // The heads of a group meet only through the 8 rank partials (a, b, c, d) of each (t, s).
 //
-// Design: the kernels below, every T x S x d product on mma.sync m16n8k16 (ldmatrix operands
-// from padded shared memory filled by cp.async), 64 query rows x 32 keys per CTA tile,
+// Design: the kernels below, every T x S x d product on mma.sync m16n8k16 (m16n8k8 .tf32 for
+// fp32; ldmatrix operands from padded shared memory filled by cp.async), 64 query rows x
+// 32 keys per CTA tile,
 // 4 warps of 16 query rows each; scores live only in the accumulator fragments, and the
 // compose runs on those fragments (the accumulator element (row g + 8 (e >> 1), col
 // 2 (lane % 4) + (e & 1)) of n8 tile j is (t, s); the row and column weights it needs are
@@ -77,6 +79,21 @@
 //     sm_80 SM, where staging every head's weights for the whole CTA took 153 KiB (1 CTA,
 //     4 warps per SM); 48.4 KiB at hg = 32, dh = 64, within the 99 KiB of sm_86/89 parts;
 //   output: 64 ldq x 2 + 2 x 32 (ldq + ldv) x 2 + 2 x 6 x 32 x 4 = 53 KiB at dh = dv = 128.
+//
+// fp32 as TF32 (the same kernels at T = float): a k step is 32 bytes of the operands' rows for
+// every T (16 bf16 / fp16 or 8 fp32: hw::mma_step), so QK^T keeps its ldmatrix addressing
+// with k offsets in elements of T; PV permutes the k order within a step so that P' stays in
+// the accumulator's registers (fragment_times_rows) and reads V by scalar loads, since
+// ldmatrix.trans moves 16-bit elements. The tensor core takes the operands' fp32 bits and
+// drops the low 13 mantissa bits, as torch's TF32 matmuls do. The scratch words are 64 bits
+// (two fp32 ranks, PartWordOf<float>): the partials keep fp32 as the reference computes them,
+// and the chunk halves under the same cap (256 rows at B = 8, H = 32, T = 4096). Per kept
+// (t, s) the FLOPs are the bf16 kernels' at half the tensor-core rate of 16-bit operands, and
+// the tile bytes double: shared memory at dh = dv = 128 is 2 x 96 x 132 x 4 + ~5.4 KiB
+// + 0.5 KiB hg = 104.4 KiB + 0.5 KiB hg (120.4 KiB at hg = 32: one CTA per SM on sm_80 and
+// sm_90) for the sweeps and 64 x 132 x 4 + 2 x 32 x 264 x 4 + 1.5 KiB = 101.5 KiB (two CTAs
+// per sm_90 SM, one per sm_80 SM) for the output. The backward of fp32 runs the SIMT kernels
+// at full precision on these statistics.
 #pragma once
 
 #include "../common/mma_primitives.cuh"
@@ -146,16 +163,25 @@ __host__ __device__ inline int side_wfield(int i, bool key) {
                  : wfield_g(post);
 }
 
-__host__ __device__ inline int64_t mma_loop_smem_bytes(int hg, int dh_pad) {
-  const int ldq = dh_pad + 8;
-  return int64_t(2) * (kTileRows + kTileKeys) * ldq * 2 +
+// Elements of T in 16 bytes: the chunk of a cp.async row copy and of a 16-byte store, and the
+// pad of every shared tile row. A row pitch of d_pad + 16 / elem elements (d_pad a multiple of
+// 16) is an odd multiple of 16 bytes modulo 128, so the 8 rows an ldmatrix reads fall in
+// 8 distinct 16-byte bank groups.
+template <typename T>
+constexpr int kChunk = 16 / static_cast<int>(sizeof(T));
+__host__ __device__ inline int tile_pitch(int d_pad, int elem) { return d_pad + 16 / elem; }
+
+// elem: bytes of the inputs' dtype (2, or 4 for the TF32 path).
+__host__ __device__ inline int64_t mma_loop_smem_bytes(int hg, int dh_pad, int elem = 2) {
+  const int ldq = tile_pitch(dh_pad, elem);
+  return int64_t(2) * (kTileRows + kTileKeys) * ldq * elem +
          int64_t(4) * 2 * kLoopFields * (kRowPitch + kColPitch) + int64_t(4) * 2 * hg * kTileRows;
 }
 
-__host__ __device__ inline int64_t mma_out_smem_bytes(int dh_pad, int dv_pad) {
-  const int ldq = dh_pad + 8, ldv = dv_pad + 8;
-  const int64_t q = int64_t(kTileRows) * (ldq > ldv ? ldq : ldv) * 2;  // also holds the O tile
-  return q + int64_t(2) * kTileKeys * (ldq + ldv) * 2 + int64_t(2) * kOutFields * kTileKeys * 4;
+__host__ __device__ inline int64_t mma_out_smem_bytes(int dh_pad, int dv_pad, int elem = 2) {
+  const int ldq = tile_pitch(dh_pad, elem), ldv = tile_pitch(dv_pad, elem);
+  const int64_t q = int64_t(kTileRows) * (ldq > ldv ? ldq : ldv) * elem;  // also holds the O tile
+  return q + int64_t(2) * kTileKeys * (ldq + ldv) * elem + int64_t(2) * kOutFields * kTileKeys * 4;
 }
 
 // (t, s) takes part in the softmax.
@@ -180,21 +206,14 @@ __device__ __forceinline__ void split_key_band(int q0, int rows, int T, int caus
 }
 
 template <typename T>
-__device__ __forceinline__ void mma_bf(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  if constexpr (std::is_same<T, c10::BFloat16>::value)
-    hw::mma_m16n8k16_bf16(d, a, b, d);
-  else
-    hw::mma_m16n8k16_f16(d, a, b, d);
-}
-
-template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   const T l = static_cast<T>(lo), h = static_cast<T>(hi);
   return static_cast<uint32_t>(l.x) | (static_cast<uint32_t>(h.x) << 16);
 }
 
 // The scratch of rank partials: the two ranks (r = 0 low, r = 1 high) of one partial of one
-// (t, s) as one 32-bit word of two T (the inputs' bf16 / fp16), rounded to nearest even.
+// (t, s) as one word of two T: 32 bits of two bf16 / fp16 rounded to nearest even, or (the
+// TF32 path, PartWordOf<float>) 64 bits of two fp32.
 // The scratch reads (each head's kernels read the group's partials of every (t, s) they
 // visit) are the term that bounds the kernels reading it (bench/RESULTS.md); as 16-bit
 // pairs they are half the bytes and half the loads of fp32. Precision and range are the
@@ -202,43 +221,59 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 // probabilities and their gradients, and of the P' and dL operands the products here take.
 using PartWord = uint32_t;
 template <typename T>
-__device__ __forceinline__ PartWord pack_part(float r0, float r1) {
-  return pack2<T>(r0, r1);
+using PartWordOf = typename std::conditional<std::is_same<T, float>::value, uint64_t, PartWord>::type;
+template <typename T>
+__device__ __forceinline__ PartWordOf<T> pack_part(float r0, float r1) {
+  if constexpr (std::is_same<T, float>::value)
+    return static_cast<uint64_t>(__float_as_uint(r0)) | (static_cast<uint64_t>(__float_as_uint(r1)) << 32);
+  else
+    return pack2<T>(r0, r1);
 }
 template <typename T>
-__device__ __forceinline__ void unpack_part(PartWord w, float& r0, float& r1) {
-  hw::Pack<T, 2> pk;
-  std::memcpy(&pk, &w, sizeof(w));
-  float f[2];
-  hw::unpack_to_float<T, 2>(pk, f);
-  r0 = f[0];
-  r1 = f[1];
+__device__ __forceinline__ void unpack_part(PartWordOf<T> w, float& r0, float& r1) {
+  if constexpr (std::is_same<T, float>::value) {
+    r0 = __uint_as_float(static_cast<uint32_t>(w));
+    r1 = __uint_as_float(static_cast<uint32_t>(w >> 32));
+  } else {
+    hw::Pack<T, 2> pk;
+    std::memcpy(&pk, &w, sizeof(w));
+    float f[2];
+    hw::unpack_to_float<T, 2>(pk, f);
+    r0 = f[0];
+    r1 = f[1];
+  }
+}
+// The scratch planes of the chunk as words of T (the launcher sizes them by sizeof(PartWordOf<T>)).
+template <typename T>
+__device__ __forceinline__ PartWordOf<T>* part_words(PartWord* partials) {
+  return reinterpret_cast<PartWordOf<T>*>(partials);
 }
 static_assert(kR == 2, "a scratch word holds the two ranks of a partial");
 
-// The words of the pair (t, s), (t, s + 1) of one scratch plane at dst / src: one 8-byte access
-// where `pair` (s + 1 < T and T even), else one word each, the second where `second`
-// (s + 1 < T); a word not loaded reads 0.
-__device__ __forceinline__ void store_part_words(PartWord* dst, PartWord w0, PartWord w1, bool pair, bool second) {
+// The words of the pair (t, s), (t, s + 1) of one scratch plane at dst / src: one 8-byte (16-byte
+// for 64-bit words) access where `pair` (s + 1 < T and T even), else one word each, the second
+// where `second` (s + 1 < T); a word not loaded reads 0.
+template <typename W>
+__device__ __forceinline__ void store_part_words(W* dst, W w0, W w1, bool pair, bool second) {
   if (pair) {
-    hw::Pack<PartWord, 2> pk;
+    hw::Pack<W, 2> pk;
     pk.v[0] = w0;
     pk.v[1] = w1;
-    hw::store_pack<PartWord, 2>(dst, pk);
+    hw::store_pack<W, 2>(dst, pk);
   } else {
     dst[0] = w0;
     if (second) dst[1] = w1;
   }
 }
-__device__ __forceinline__ void load_part_words(const PartWord* src, PartWord& w0, PartWord& w1, bool pair,
-                                                bool second) {
+template <typename W>
+__device__ __forceinline__ void load_part_words(const W* src, W& w0, W& w1, bool pair, bool second) {
   if (pair) {
-    const hw::Pack<PartWord, 2> pk = hw::load_pack<PartWord, 2>(src);
+    const hw::Pack<W, 2> pk = hw::load_pack<W, 2>(src);
     w0 = pk.v[0];
     w1 = pk.v[1];
   } else {
     w0 = src[0];
-    w1 = second ? src[1] : 0u;
+    w1 = second ? src[1] : W(0);
   }
 }
 
@@ -248,16 +283,18 @@ __device__ __forceinline__ void load_part_words(const PartWord* src, PartWord& w
 // rows and keys are the tile's rows and keys before T (no word past them is read or written).
 template <typename T>
 __device__ __forceinline__ void round_ab(float (&pa)[kR][kKeyN8][4], float (&pb)[kR][kKeyN8][4]) {
+  if constexpr (!std::is_same<T, float>::value) {  // fp32 words hold them exactly
 HW_UNROLL
-  for (int j = 0; j < kKeyN8; ++j)
+    for (int j = 0; j < kKeyN8; ++j)
 HW_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      unpack_part<T>(pack_part<T>(pa[0][j][e], pa[1][j][e]), pa[0][j][e], pa[1][j][e]);
-      unpack_part<T>(pack_part<T>(pb[0][j][e], pb[1][j][e]), pb[0][j][e], pb[1][j][e]);
-    }
+      for (int e = 0; e < 4; ++e) {
+        unpack_part<T>(pack_part<T>(pa[0][j][e], pa[1][j][e]), pa[0][j][e], pa[1][j][e]);
+        unpack_part<T>(pack_part<T>(pb[0][j][e], pb[1][j][e]), pb[0][j][e], pb[1][j][e]);
+      }
+  }
 }
 template <typename T, bool Store>
-__device__ __forceinline__ void ab_words(float (&pa)[kR][kKeyN8][4], float (&pb)[kR][kKeyN8][4], PartWord* tile,
+__device__ __forceinline__ void ab_words(float (&pa)[kR][kKeyN8][4], float (&pb)[kR][kKeyN8][4], PartWordOf<T>* tile,
                                          int64_t plane, int TT, int rows, int keys, int warp, int lane) {
   const int gq = lane / 4, tq = lane % 4;
 HW_UNROLL
@@ -267,14 +304,14 @@ HW_UNROLL
       const int r = warp * 16 + gq + 8 * h, c = j * 8 + 2 * tq;
       if (r >= rows || c >= keys) continue;
       const bool pair = c + 1 < keys && TT % 2 == 0, second = c + 1 < keys;
-      PartWord* a = tile + static_cast<int64_t>(r) * TT + c;
+      PartWordOf<T>* a = tile + static_cast<int64_t>(r) * TT + c;
       if constexpr (Store) {
         store_part_words(a, pack_part<T>(pa[0][j][2 * h], pa[1][j][2 * h]),
                          pack_part<T>(pa[0][j][2 * h + 1], pa[1][j][2 * h + 1]), pair, second);
         store_part_words(a + plane, pack_part<T>(pb[0][j][2 * h], pb[1][j][2 * h]),
                          pack_part<T>(pb[0][j][2 * h + 1], pb[1][j][2 * h + 1]), pair, second);
       } else {
-        PartWord w[2][2];
+        PartWordOf<T> w[2][2];
         load_part_words(a, w[0][0], w[0][1], pair, second);
         load_part_words(a + plane, w[1][0], w[1][1], pair, second);
 HW_UNROLL
@@ -286,23 +323,24 @@ HW_UNROLL
     }
 }
 
-// Rows [r0, r0 + rows) of a [T, d] row-major matrix into smem [rows][ld] (ld = d_pad + 8),
+// Rows [r0, r0 + rows) of a [T, d] row-major matrix into smem [rows][ld] (ld = tile_pitch),
 // zero past T and in the columns [d, d_pad). 16-byte cp.async when vec16, else plain
 // element copies (visible after the caller's __syncthreads).
 template <typename T>
 __device__ __forceinline__ void load_rows(T* dst, const T* src, int r0, int rows, int nrows, int d, int d_pad,
                                           int vec16) {
-  const int ld = d_pad + 8, chunks = d_pad / 8;
+  constexpr int E = kChunk<T>;
+  const int ld = d_pad + E, chunks = d_pad / E;
   for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {
     const int r = i / chunks, c = i % chunks, row = r0 + r;
-    T* out = dst + r * ld + c * 8;
+    T* out = dst + r * ld + c * E;
     if (vec16) {
-      const bool inside = row < nrows && c * 8 < d;
-      const T* g = inside ? src + static_cast<int64_t>(row) * d + c * 8 : src;
+      const bool inside = row < nrows && c * E < d;
+      const T* g = inside ? src + static_cast<int64_t>(row) * d + c * E : src;
       hw::cp_async_cg16(out, g, inside ? 16 : 0);
     } else {
-      for (int e = 0; e < 8; ++e) {
-        const int col = c * 8 + e;
+      for (int e = 0; e < E; ++e) {
+        const int col = c * E + e;
         out[e] = (row < nrows && col < d) ? src[static_cast<int64_t>(row) * d + col] : static_cast<T>(0.f);
       }
     }
@@ -361,7 +399,8 @@ __device__ __forceinline__ void load_side_record(float (&v)[N], const float* p) 
 }
 
 // S[16 x 8 N8] of this warp: rows 16 warp.. of the Q tile times the first 8 N8 rows of the
-// K tile (both [.][ld]); N8 even (kKeyN8: a whole key tile).
+// K tile (both [.][ld]); N8 even (kKeyN8: a whole key tile). A k step is 32 bytes (16
+// bf16 / fp16 or 8 fp32 elements, hw::mma_step), each ldmatrix matrix 16 bytes of k.
 template <typename T, int N8>
 __device__ __forceinline__ void qk_tile(float (&acc)[N8][4], const T* qs, const T* ks, int ld, int d_pad, int warp,
                                         int lane, float scale) {
@@ -370,10 +409,11 @@ HW_UNROLL
   for (int j = 0; j < N8; ++j)
 HW_UNROLL
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  constexpr int E = kChunk<T>;
   const int quad = lane / 8, rq = lane % 8;
-  const int a_row = warp * 16 + (quad & 1) * 8 + rq, a_col = (quad >> 1) * 8;
-  const int b_row = (quad >> 1) * 8 + rq, b_col = (quad & 1) * 8;
-  for (int k0 = 0; k0 < d_pad; k0 += 16) {
+  const int a_row = warp * 16 + (quad & 1) * 8 + rq, a_col = (quad >> 1) * E;
+  const int b_row = (quad >> 1) * 8 + rq, b_col = (quad & 1) * E;
+  for (int k0 = 0; k0 < d_pad; k0 += 2 * E) {
     uint32_t fa[4];
     hw::ldmatrix<4>(fa, qs + a_row * ld + k0 + a_col);
 HW_UNROLL
@@ -381,8 +421,8 @@ HW_UNROLL
       uint32_t r[4];
       hw::ldmatrix<4>(r, ks + (j * 8 + b_row) * ld + k0 + b_col);
       const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-      mma_bf<T>(acc[j], fa, b0);
-      mma_bf<T>(acc[j + 1], fa, b1);
+      hw::mma_step<T>(acc[j], fa, b0);
+      hw::mma_step<T>(acc[j + 1], fa, b1);
     }
   }
 HW_UNROLL
@@ -412,25 +452,47 @@ HW_UNROLL
     uint32_t r[4];
     hw::ldmatrix<4, true>(r, rows + ((quad & 1) * 8 + rq8) * ld + (j + (quad >> 1)) * 8);
     const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-    mma_bf<T>(o[j], fa, b0);
-    mma_bf<T>(o[j + 1], fa, b1);
+    hw::mma_step<T>(o[j], fa, b0);
+    hw::mma_step<T>(o[j + 1], fa, b1);
   }
 }
 
 // o[j] += A B for the warp's 16 rows: A = the warp's 16 x 32 accumulator fragment acc packed
 // to T (k = the tile's 32 columns, two k16 steps), B = smem rows [32][ld] (k = the row) read
 // by ldmatrix.trans; n8 tiles j < n8 (<= DTiles).
+// fp32 (TF32, four k8 steps): ldmatrix.trans moves 16-bit elements, so B is read by scalar
+// loads, and the k order inside a step is permuted so that A is the accumulator as it stands:
+// k slot tq of the step is key 2 tq and slot tq + 4 key 2 tq + 1 of the n8 tile j, so A's
+// (a0, a1, a2, a3) = (row g key 2tq, row g+8 key 2tq, row g key 2tq+1, row g+8 key 2tq+1) =
+// acc[j][0, 2, 1, 3], and B's (b0, b1) = rows 8 j + 2 tq and 8 j + 2 tq + 1, column 8 n + g.
+// Those loads are conflict-free at ld = d_pad + 4 (d_pad a multiple of 16): bank 8 tq + g.
 template <typename T, int DTiles>
 __device__ __forceinline__ void fragment_times_rows(float (&o)[DTiles][4], const float (&acc)[kKeyN8][4], const T* rows,
                                                     int ld, int n8, int lane) {
+  if constexpr (std::is_same<T, float>::value) {
+    const int gq = lane / 4, tq = lane % 4;
 HW_UNROLL
-  for (int kk = 0; kk < kTileKeys / 16; ++kk) {
-    uint32_t fa[4];
-    fa[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
-    fa[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
-    fa[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
-    fa[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
-    a_times_rows_k16<T>(o, fa, rows + kk * 16 * ld, ld, n8, lane);
+    for (int kk = 0; kk < kKeyN8; ++kk) {
+      const uint32_t fa[4] = {__float_as_uint(acc[kk][0]), __float_as_uint(acc[kk][2]), __float_as_uint(acc[kk][1]),
+                              __float_as_uint(acc[kk][3])};
+      const float* r0 = rows + (kk * 8 + 2 * tq) * ld + gq;
+HW_UNROLL
+      for (int j = 0; j < DTiles; ++j) {
+        if (j >= n8) break;
+        const uint32_t fb[2] = {__float_as_uint(r0[j * 8]), __float_as_uint(r0[ld + j * 8])};
+        hw::mma_step<T>(o[j], fa, fb);
+      }
+    }
+  } else {
+HW_UNROLL
+    for (int kk = 0; kk < kTileKeys / 16; ++kk) {
+      uint32_t fa[4];
+      fa[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+      fa[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+      fa[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+      fa[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+      a_times_rows_k16<T>(o, fa, rows + kk * 16 * ld, ld, n8, lane);
+    }
   }
 }
 
@@ -453,15 +515,16 @@ HW_UNROLL
 }
 
 // Rows [0, rows) of the smem tile stage [.][ld] to rows r0.. of out [T, d], by the whole
-// CTA: 16-byte chunks when vec16 (d a multiple of 8, out 16-byte aligned), else per element.
+// CTA: 16-byte chunks when vec16 (d a multiple of kChunk<T>, out 16-byte aligned), else per element.
 template <typename T>
 __device__ __forceinline__ void store_staged_rows(const T* stage, int ld, T* out, int r0, int rows, int d, int vec16) {
   if (vec16) {
-    const int chunks = d / 8;
+    constexpr int E = kChunk<T>;
+    const int chunks = d / E;
     for (int x = threadIdx.x; x < rows * chunks; x += blockDim.x) {
       const int r = x / chunks, c = x % chunks;
-      hw::store_pack<T, 8>(out + static_cast<int64_t>(r0 + r) * d + c * 8,
-                           *reinterpret_cast<const hw::Pack<T, 8>*>(stage + r * ld + c * 8));
+      hw::store_pack<T, E>(out + static_cast<int64_t>(r0 + r) * d + c * E,
+                           *reinterpret_cast<const hw::Pack<T, E>*>(stage + r * ld + c * E));
     }
   } else {
     for (int x = threadIdx.x; x < rows * d; x += blockDim.x) {
@@ -559,7 +622,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   const int q0 = mp.chunk0 + blockIdx.y * kTileRows;
   if (q0 >= TT) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  const int ldq = mp.dh_pad + 8;
+  const int ldq = mp.dh_pad + kChunk<T>;
 
   // The tile's key band within this CTA's split; a split outside the band has no work
   // (the combine reads only the splits of each row's band, so writes nothing either).
@@ -606,7 +669,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   const int n_items = (kt_hi - kt_lo) * sweeps * hg;
   auto item_sweep = [&](int item) { return ab_saved ? 1 : (item / hg) % 2; };
   // This group's scratch [4 or kBwdPartWords][chunk][T] of the chunk.
-  PartWord* const scratch = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
+  PartWordOf<T>* const scratch = part_words<T>(mp.partials) + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
   auto tile_words = [&](int s0) { return scratch + static_cast<int64_t>(q0 - mp.chunk0) * TT + s0; };
   auto issue = [&](int item) {
@@ -743,14 +806,14 @@ HW_UNROLL
       if (n == hg - 1) {
         // The tile's 4 partials (a, b, c, d; both ranks a word) to the scratch [bg][4][chunk][T]
         // (c, d where the statistics sweep stored a, b).
-        PartWord* out = scratch;
+        PartWordOf<T>* out = scratch;
 HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
 HW_UNROLL
           for (int h = 0; h < 2; ++h) {
             const int r = warp * 16 + gq + 8 * h, t = q0 + r, s = s0 + j * 8 + 2 * tq;
             if (t >= TT || s >= TT) continue;
-            PartWord w[4][2];
+            PartWordOf<T> w[4][2];
 HW_UNROLL
             for (int e2 = 0; e2 < 2; ++e2) {
               const int e = 2 * h + e2;
@@ -760,7 +823,7 @@ HW_UNROLL
               w[3][e2] = pack_part<T>(pd[0][j][e], pd[1][j][e]);
             }
             const bool pair = s + 1 < TT && (TT % 2 == 0), second = s + 1 < TT;
-            PartWord* dst = out + static_cast<int64_t>(t - mp.chunk0) * TT + s;
+            PartWordOf<T>* dst = out + static_cast<int64_t>(t - mp.chunk0) * TT + s;
 HW_UNROLL
             for (int x = 0; x < 4; ++x, dst += plane)
               if (x >= 2 || !ab_saved) store_part_words(dst, w[x][0], w[x][1], pair, second);
@@ -821,7 +884,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
   const int q0 = mp.chunk0 + blockIdx.x * kTileRows;
   if (q0 >= TT) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8, dv_n8 = mp.dv_pad / 8;
+  const int ldq = mp.dh_pad + kChunk<T>, ldv = mp.dv_pad + kChunk<T>, dv_n8 = mp.dv_pad / 8;
   const int64_t head = static_cast<int64_t>(b) * H + m;
 
   unsigned char* base = hw::dynamic_shared_memory();
@@ -834,7 +897,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnPa
   const T* k = static_cast<const T*>(p.k) + head * TT * p.dh;
   const T* v = static_cast<const T*>(p.v) + head * TT * p.dv;
   const float* wt = mp.wt + head * mp.wfields * TT;
-  const PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
+  const PartWordOf<T>* part = part_words<T>(mp.partials) + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
   // Column field f < 6: W2 r0, W2 r1, G of slot 1 (pre), then of slot 3 (post).
   auto out_field = [](int f) {
@@ -901,10 +964,10 @@ HW_UNROLL
         const bool in = t < TT && s < TT;
         if (in) {
           const bool pair = s + 1 < TT && (TT % 2 == 0);
-          const PartWord* src = part + static_cast<int64_t>(t - mp.chunk0) * TT + s;
+          const PartWordOf<T>* src = part + static_cast<int64_t>(t - mp.chunk0) * TT + s;
 HW_UNROLL
           for (int x = 0; x < 4; ++x, src += plane) {
-            PartWord w0, w1;
+            PartWordOf<T> w0, w1;
             load_part_words(src, w0, w1, pair, s + 1 < TT);
             unpack_part<T>(w0, pv[2 * x][0], pv[2 * x + 1][0]);
             unpack_part<T>(w1, pv[2 * x][1], pv[2 * x + 1][1]);
@@ -928,7 +991,7 @@ HW_UNROLL
           acc[j][e] = y;
         }
       }
-    // O += P' V: P' as A fragments (k = the 32 keys), V by ldmatrix.trans.
+    // O += P' V: P' as A fragments (k = the 32 keys), V by ldmatrix.trans (fp32: scalar loads).
     fragment_times_rows<T>(o, acc, vbuf + stage * kTileKeys * ldv, ldv, dv_n8, lane);
   }
   hw::cp_async_wait<0>();

@@ -137,9 +137,42 @@ inline int64_t chunk_rows_under_cap(int64_t T, int64_t row_bytes) {
   return std::min(tiles, std::max<int64_t>(1, cap / (row_bytes * kTileRows))) * kTileRows;
 }
 
-// Rows of a query chunk of the tensor-core kernels' scratch, B G words chunk T PartWords.
-inline int64_t query_chunk_rows(const AttnParams& p, int64_t words) {
-  return chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * (p.H / p.hg) * words * p.T * sizeof(PartWord));
+// Rows of a query chunk of the tensor-core kernels' scratch, B G words chunk T words of
+// word_bytes (PartWordOf<T>: 4, or 8 on the TF32 path).
+inline int64_t query_chunk_rows(const AttnParams& p, int64_t words, int64_t word_bytes = sizeof(PartWord)) {
+  return chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * (p.H / p.hg) * words * p.T * word_bytes);
+}
+
+// Whether fp32 inputs may take the tensor cores as TF32: where torch lets its own float32
+// matmuls use TF32 (torch.backends.cuda.matmul.allow_tf32, or a float32 matmul precision
+// of "high" / "medium"), as the head merge decides (merge_launch.h).
+inline bool tf32_allowed() { return at::globalContext().allowTF32CuBLAS(); }
+
+// Whether the forward takes the tensor-core kernels (dcmha_attention_mma_kernel.cuh): bf16 /
+// fp16, and fp32 where torch allows TF32 matmuls, with dv <= 128, where their shared memory
+// fits the device (the sweeps' row statistics grow with hg, 0.5 KiB a head; fp32 tiles are
+// twice the bytes) and their grids fit CUDA's limits (B * groups on z). fp32 at full
+// precision, wider dv and the rest take the SIMT kernel. The backward asks it too: after a
+// TF32 forward it reads q, k, v as the tensor cores did (tf32_operand).
+inline bool forward_takes_tensor_cores(const AttnShape& s, const AttnParams& p, at::ScalarType dtype, int dh_pad,
+                                       int dv_pad) {
+  const size_t smem_limit = hw::max_dynamic_smem_optin();
+  const int elem = static_cast<int>(c10::elementSize(dtype));
+  return (dtype != at::kFloat || tf32_allowed()) && dv_pad <= 128 &&
+         static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad, elem)) <= smem_limit &&
+         static_cast<size_t>(mma_out_smem_bytes(dh_pad, dv_pad, elem)) <= smem_limit &&
+         s.batch * s.head_groups <= 65535 && s.batch <= 65535 && s.heads <= 65535 &&
+         (s.seq + kTileRows - 1) / kTileRows <= 65535;
+}
+
+// x (fp32, contiguous) with the low 13 mantissa bits of every element cleared: the operand
+// as a TF32 tensor core reads it. The fp32 backward after a TF32 forward forms its scores
+// from these, so its logits are the forward's (their products are exact in fp32, only the
+// accumulation order differs) and P is normalized by the forward's statistics; from the
+// full-precision inputs the logits would differ by TF32's rounding and P by up to a few
+// percent (the gradients' error was 3-5e-2 in the emulated tests).
+inline at::Tensor tf32_operand(const at::Tensor& x) {
+  return x.view(at::kInt).bitwise_and(static_cast<int64_t>(~0x1fff)).view(at::kFloat);
 }
 
 // The grid of the weights transposes (dcmha_attn_weights_t, dcmha_attn_grads_untranspose):
@@ -171,7 +204,7 @@ inline unsigned band_key_blocks(const AttnParams& p, int64_t c0, int64_t rows, i
   return static_cast<unsigned>((hi + keys - 1) / keys - first);
 }
 
-// The tensor-core forward (bf16 / fp16): transposed weights, then per query chunk the
+// The tensor-core forward (bf16 / fp16, and fp32 as TF32 with 64-bit scratch words): transposed weights, then per query chunk the
 // statistics sweep (which stores a, b of the chunk in the scratch), its combine, the partials
 // sweep (c, d: one sweep over the heads a key tile where it would take two) and the output.
 // The chunk keeps the scratch (B G 4 words a (t, s)) and split_stats (B H 2 splits fp32 a
@@ -183,7 +216,9 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
                                  const at::Tensor& out, int dh_pad, int dv_pad) {
   const int64_t groups = p.H / p.hg;
   const int64_t splits = (p.T + kStatsSplitKeys - 1) / kStatsSplitKeys;
-  const int64_t chunk = std::min(query_chunk_rows(p, 4),
+  const int elem = static_cast<int>(q.element_size());
+  const int64_t word_bytes = elem == 4 ? 8 : 4;  // sizeof(PartWordOf<T>)
+  const int64_t chunk = std::min(query_chunk_rows(p, 4, word_bytes),
                                  chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * p.H * 2 * splits * 4));
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kWeightFields, p.T}, fopt);
@@ -195,46 +230,46 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
   mp.ab_saved = 1;
   mp.dh_pad = dh_pad;
   mp.dv_pad = dv_pad;
-  mp.vec16 = p.dh % 8 == 0 && p.dv % 8 == 0 && aligned16(q.data_ptr()) && aligned16(k.data_ptr()) &&
-             aligned16(v.data_ptr()) && aligned16(out.data_ptr());
+  const int chunk_elems = 16 / elem;
+  mp.vec16 = p.dh % chunk_elems == 0 && p.dv % chunk_elems == 0 && aligned16(q.data_ptr()) &&
+             aligned16(k.data_ptr()) && aligned16(v.data_ptr()) && aligned16(out.data_ptr());
   const size_t wt_smem = static_cast<size_t>(transpose_smem_bytes());
-  const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad));
-  const size_t out_smem = static_cast<size_t>(mma_out_smem_bytes(dh_pad, dv_pad));
+  const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad, elem));
+  const size_t out_smem = static_cast<size_t>(mma_out_smem_bytes(dh_pad, dv_pad, elem));
   const unsigned bg = static_cast<unsigned>(p.B * groups);
   dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [&](auto tag) {
     using T = decltype(tag);
-    if constexpr (!std::is_same<T, float>::value) {
-      auto kw = &dcmha_attn_weights_t;
-      auto ks = &dcmha_attn_sweep<T, false>;
-      auto kp = &dcmha_attn_sweep<T, true>;
-      auto kc = &dcmha_attn_stats_combine;
-      auto ko = dv_pad <= 32 ? &dcmha_attn_output<T, 4> : &dcmha_attn_output<T, 16>;
-      hw::allow_dynamic_smem("dcmha_attention", kw, wt_smem);
-      hw::allow_dynamic_smem("dcmha_attention", ks, loop_smem);
-      hw::allow_dynamic_smem("dcmha_attention", kp, loop_smem);
-      hw::allow_dynamic_smem("dcmha_attention", ko, out_smem);
-      HW_LAUNCH("dcmha_attn_weights_t", kw, transpose_grid(p), dim3(kTransposeThreads), wt_smem, p,
-                wt.data_ptr<float>(), kWeightFields, weights_vec4(p));
-      // split_stats [splits, 2, B H, chunk] is indexed by the absolute split: the combine reads
-      // the splits of each row's band.
-      at::Tensor split_stats = at::empty({splits, 2, p.B * p.H, chunk}, fopt);
-      at::Tensor partials = at::empty({p.B * groups, 4, chunk, p.T}, q.options().dtype(at::kInt));
-      mp.split_stats = split_stats.data_ptr<float>();
-      mp.partials = reinterpret_cast<PartWord*>(partials.data_ptr<int32_t>());
-      mp.chunk = static_cast<int>(chunk);
-      for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
-        mp.chunk0 = static_cast<int>(c0);
-        const unsigned chunk_tiles = query_tiles(p.T, c0, chunk);
-        const unsigned stats_splits = band_key_blocks(p, c0, chunk, kStatsSplitKeys, mp.split0);
-        HW_LAUNCH("dcmha_attn_stats", ks, dim3(stats_splits, chunk_tiles, bg), dim3(kMmaThreads), loop_smem, mp);
-        HW_LAUNCH("dcmha_attn_stats_combine", kc,
-                  dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)), dim3(kTileRows), 0, mp);
-        const unsigned chunk_splits = band_key_blocks(p, c0, chunk, kSweepSplitKeys, mp.split0);
-        HW_LAUNCH("dcmha_attn_partials", kp, dim3(chunk_splits, chunk_tiles, bg), dim3(kMmaThreads),
-                  loop_smem, mp);
-        HW_LAUNCH("dcmha_attn_output", ko, dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
-                  dim3(kMmaThreads), out_smem, mp);
-      }
+    auto kw = &dcmha_attn_weights_t;
+    auto ks = &dcmha_attn_sweep<T, false>;
+    auto kp = &dcmha_attn_sweep<T, true>;
+    auto kc = &dcmha_attn_stats_combine;
+    auto ko = dv_pad <= 32 ? &dcmha_attn_output<T, 4> : &dcmha_attn_output<T, 16>;
+    hw::allow_dynamic_smem("dcmha_attention", kw, wt_smem);
+    hw::allow_dynamic_smem("dcmha_attention", ks, loop_smem);
+    hw::allow_dynamic_smem("dcmha_attention", kp, loop_smem);
+    hw::allow_dynamic_smem("dcmha_attention", ko, out_smem);
+    HW_LAUNCH("dcmha_attn_weights_t", kw, transpose_grid(p), dim3(kTransposeThreads), wt_smem, p,
+              wt.data_ptr<float>(), kWeightFields, weights_vec4(p));
+    // split_stats [splits, 2, B H, chunk] is indexed by the absolute split: the combine reads
+    // the splits of each row's band.
+    at::Tensor split_stats = at::empty({splits, 2, p.B * p.H, chunk}, fopt);
+    at::Tensor partials =
+        at::empty({p.B * groups, 4, chunk, p.T}, q.options().dtype(word_bytes == 8 ? at::kLong : at::kInt));
+    mp.split_stats = split_stats.data_ptr<float>();
+    mp.partials = static_cast<PartWord*>(partials.data_ptr());
+    mp.chunk = static_cast<int>(chunk);
+    for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
+      mp.chunk0 = static_cast<int>(c0);
+      const unsigned chunk_tiles = query_tiles(p.T, c0, chunk);
+      const unsigned stats_splits = band_key_blocks(p, c0, chunk, kStatsSplitKeys, mp.split0);
+      HW_LAUNCH("dcmha_attn_stats", ks, dim3(stats_splits, chunk_tiles, bg), dim3(kMmaThreads), loop_smem, mp);
+      HW_LAUNCH("dcmha_attn_stats_combine", kc,
+                dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)), dim3(kTileRows), 0, mp);
+      const unsigned chunk_splits = band_key_blocks(p, c0, chunk, kSweepSplitKeys, mp.split0);
+      HW_LAUNCH("dcmha_attn_partials", kp, dim3(chunk_splits, chunk_tiles, bg), dim3(kMmaThreads),
+                loop_smem, mp);
+      HW_LAUNCH("dcmha_attn_output", ko, dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
+                dim3(kMmaThreads), out_smem, mp);
     }
   });
 }
@@ -553,17 +588,7 @@ std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q
   p.out = out.data_ptr();
   p.stats = stats.data_ptr<float>();
   const int dh_pad = pad16(s.head_dim), dv_pad = pad16(s.v_dim);
-  // bf16 / fp16 with dv <= 128 take the tensor-core kernels (dcmha_attention_mma_kernel.cuh)
-  // where their shared memory fits the device (the sweeps' row statistics grow with hg,
-  // 0.5 KiB a head) and their grids fit CUDA's limits (B * groups on z); fp32, wider dv
-  // and the rest the SIMT kernel.
-  const size_t smem_limit = hw::max_dynamic_smem_optin();
-  const bool tensor_cores = q.scalar_type() != at::kFloat && dv_pad <= 128 &&
-                            static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad)) <= smem_limit &&
-                            static_cast<size_t>(mma_out_smem_bytes(dh_pad, dv_pad)) <= smem_limit &&
-                            s.batch * s.head_groups <= 65535 && s.batch <= 65535 && s.heads <= 65535 &&
-                            (s.seq + kTileRows - 1) / kTileRows <= 65535;
-  if (!tensor_cores) {
+  if (!forward_takes_tensor_cores(s, p, q.scalar_type(), dh_pad, dv_pad)) {
     dispatch_storage_dtype(q.scalar_type(), "dcmha_attention", "q", [&](auto tag) {
       using T = decltype(tag);
       auto kernel = &dcmha_attention_fwd<T>;
@@ -611,6 +636,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor dg = new_output(gf.sizes(), gf.options());
   const int dh_pad = pad16(s.head_dim), dv_pad = pad16(s.v_dim);
   AttnParams f = attention_params(s, qc, kc, vc, w1f, w2f, gf, causal, window, scale);
+  // After a TF32 forward the fp32 kernels read q, k, v as its tensor cores did.
+  at::Tensor q_tf32, k_tf32, v_tf32;
+  if (q.scalar_type() == at::kFloat && s.batch * s.seq > 0 &&
+      forward_takes_tensor_cores(s, f, q.scalar_type(), dh_pad, dv_pad)) {
+    q_tf32 = tf32_operand(qc);
+    k_tf32 = tf32_operand(kc);
+    v_tf32 = tf32_operand(vc);
+    f = attention_params(s, q_tf32, k_tf32, v_tf32, w1f, w2f, gf, causal, window, scale);
+  }
   f.stats = st.data_ptr<float>();
   if (s.batch * s.seq > 0 && mma_backward_fits(f, q.scalar_type(), dh_pad, dv_pad)) {
     // bf16 / fp16 on the tensor-core kernels; the key-slot grads are sums over chunks.

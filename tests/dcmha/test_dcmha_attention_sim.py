@@ -421,3 +421,98 @@ def test_sim_tensor_core_backward_opcheck():
     grad = torch.randn(1, 4, 37, 8).bfloat16()
     torch.library.opcheck(torch.ops.headwise_sim.dcmha_attention_backward,
                           (grad, q, k, v, *w, stats, True, 0, 0.25, 2))
+
+
+# fp32 inputs take the tensor-core forward as TF32 where torch allows TF32 matmuls
+# (torch.backends.cuda.matmul.allow_tf32, which the launcher reads as the head merge's does);
+# the tensor core drops the low 13 mantissa bits of QK^T's and P'V's operands, and the rank
+# partials stay fp32 (64-bit scratch words). At full precision (torch's default) fp32 keeps
+# the SIMT kernel. Largest errors over these cases against fp64: output 3.4e-3, gradients
+# 2.4e-3 (the fp32 backward reads q, k, v truncated as the forward's tensor cores did), row
+# statistics against the CPU kernel's 1.2e-3.
+TF32_TOL = 5e-3
+TF32_STATS_TOL = 2e-3
+TC_FORWARD_KERNELS = {"dcmha_attn_stats", "dcmha_attn_partials", "dcmha_attn_output"}
+
+
+@pytest.fixture
+def allow_tf32():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.mark.parametrize("b,h,t,dh,dv,kw", MMA_CASES + [(1, 2, 67, 128, 128, {})])
+def test_sim_tf32_forward_matches_reference(allow_tf32, b, h, t, dh, dv, kw):
+    (q, k, v), w = _mma_inputs(b, h, t, dh, dv, torch.float32)
+    got = SIM.dcmha_attention(q, k, v, w, **kw)
+    want = reference.dcmha_attention(q.double(), k.double(), v.double(), DCMHAWeights(*(x.double() for x in w)), **kw)
+    assert got.dtype == torch.float32
+    assert rel_err(got.double(), want) <= TF32_TOL
+    rest = (kw.get("causal", True), kw.get("window", 0), kw.get("scale", dh ** -0.5), kw.get("head_groups", 1))
+    _, stats_sim = torch.ops.headwise_sim.dcmha_attention(q, k, v, *w, *rest)
+    _, stats_cpu = torch.ops.headwise.dcmha_attention(q, k, v, *w, *rest)
+    assert rel_err(stats_sim, stats_cpu) <= TF32_STATS_TOL
+
+
+@pytest.mark.parametrize("tf32", [False, True], ids=["highest", "tf32"])
+def test_sim_fp32_forward_takes_tensor_cores_only_where_torch_allows_tf32(tf32):
+    """With TF32 allowed the fp32 forward runs the tensor-core kernels, each product kernel
+    issuing mma.sync, global loads and stores within 1.1x of the ideal sectors a request and
+    shared memory within 1.1x of the ideal wavefronts a request (V's scalar reads in P'V
+    included); otherwise the SIMT kernel at full precision."""
+    import importlib.util
+
+    if importlib.util.find_spec("headwise._sim_profile") is None:
+        pytest.skip("headwise._sim_profile not built")
+    from headwise.ops import load_profile_library
+    from headwise.testing import profiled_launches
+
+    ops = load_profile_library()
+    (q, k, v), w = _mma_inputs(1, 2, 128, 64, 64, torch.float32)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        got, recs = profiled_launches(lambda: ops.dcmha_attention(q, k, v, w))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    want = reference.dcmha_attention(q.double(), k.double(), v.double(), DCMHAWeights(*(x.double() for x in w)))
+    names = {r["kernel"] for r in recs}
+    if not tf32:
+        assert names == {"dcmha_attention_fwd"}, names
+        assert rel_err(got.double(), want) <= 1e-5
+        return
+    assert rel_err(got.double(), want) <= TF32_TOL
+    assert TC_FORWARD_KERNELS <= names and "dcmha_attention_fwd" not in names, names
+    for r in recs:
+        if r["kernel"] in TC_FORWARD_KERNELS:
+            assert r["mma"] > 0, r["kernel"]
+            for kind in ("global_load_sectors", "global_store_sectors", "smem_wavefronts"):
+                assert r[kind] <= 1.1 * r[kind + "_ideal"], (r["kernel"], kind, r[kind], r[kind + "_ideal"])
+
+
+def test_sim_tf32_forward_query_chunks_and_misaligned_view(allow_tf32, monkeypatch):
+    # 64-row query chunks (a scratch cap of 1 byte) give the same bits as one chunk; a view
+    # 1 float into its storage (not 16-byte aligned) takes the element copies, same bits.
+    (q, k, v), w = _mma_inputs(1, 4, 150, 16, 16, torch.float32)
+    whole = SIM.dcmha_attention(q, k, v, w, window=90)
+    flat = torch.cat([torch.zeros(1), q.flatten()])
+    q_off = flat[1:].view(q.shape)
+    assert q_off.data_ptr() % 16 != 0
+    assert torch.equal(SIM.dcmha_attention(q_off, k, v, w, window=90), whole)
+    monkeypatch.setenv("HEADWISE_DCMHA_SCRATCH_BYTES", "1")
+    assert torch.equal(SIM.dcmha_attention(q, k, v, w, window=90), whole)
+
+
+@pytest.mark.parametrize("b,h,t,dh,dv,kw", [(1, 4, 37, 16, 8, dict(window=20)), (1, 2, 67, 128, 128, {}),
+                                            (1, 6, 65, 16, 16, dict(head_groups=3, window=7, scale=0.9)),
+                                            (1, 2, 67, 37, 5, dict(causal=False))])
+def test_sim_backward_after_tf32_forward(allow_tf32, b, h, t, dh, dv, kw):
+    # The fp32 backward (the SIMT kernels) normalizes P by the TF32 forward's statistics, so it
+    # forms its logits from q, k, v truncated to TF32 as the forward's tensor cores read them:
+    # from the full-precision inputs its gradients were off by 3-5e-2.
+    got, want = _mma_backward_case(SIM.dcmha_attention, b, h, t, dh, dv, kw, torch.float32)
+    for name, x, y in zip(NAMES, got, want):
+        err = rel_err(x.double(), y)
+        assert err <= TF32_TOL, f"{name}: relative error {err:.3g}"
