@@ -1,5 +1,6 @@
 // DCMHA fused attention backward on tensor cores (SPEC section 5), bf16 / fp16 inputs with
-// fp32 accumulation; the forward is dcmha_attention_mma_kernel.cuh (its notation below).
+// fp32 accumulation, and fp32 inputs as TF32 after a TF32 forward; the forward is
+// dcmha_attention_mma_kernel.cuh (its notation below).
 //
 // Math, per (t, s) and head n of a group (S_n = scale q_n[t] . k_n[s]; P, P' of the forward;
 // dP'_n = dO_n[t] . v_n[s]; the rank partials a, b, c, d of the forward):
@@ -71,6 +72,18 @@
 // of a query and a key tile), the dP' sweep 60.2 KiB, the row kernels 70.6 KiB, the key
 // kernel 108.5 KiB: sm_80 / sm_90 (163 / 227 KiB); the 99 KiB parts take the SIMT backward
 // at that size.
+//
+// fp32 as TF32 (the same kernels at T = float, after a forward that took the tensor cores, so
+// both form the logits from the same truncated operands): the products as the forward's
+// (qk_tile; fragment_times_rows for dq += dL K, K by scalar loads in tf32_pair_step's pair
+// order), and the key kernel's dv += P'^T dO, dk += dL^T Q in that order too: P'^T and dL^T
+// staged as fp32 and read as (a0, a2), (a1, a3) pairs by 8-byte loads (tf32_pair_a), dO and
+// Q by scalar loads. The scratch words are 64 bits (two fp32 ranks), so the held words that
+// save the 16-bit path's reloads would take twice the registers: the dL' sweep loads them
+// per head where it uses them, and launch 3 takes one head a CTA (rowsum_heads). Shared
+// memory at dh = dv = 128: the dL' sweep 207 KiB, the dP' sweep 108 KiB, the row kernels
+// 135 KiB (dq) and the key kernel 183 KiB: sm_90 (227 KiB) holds them, sm_80 (163 KiB) takes
+// the SIMT backward there (the launcher's mma_backward_fits) and these kernels at dh <= 64.
 #pragma once
 
 #include "dcmha_attention_mma_kernel.cuh"
@@ -102,8 +115,9 @@ constexpr int kQueryRecord = 20, kKeyRecord = 12;
 // grads, then D. A constant, so the order of D's sums depends on the shape only.
 constexpr int kRowsumKeySplits = 3, kRowsumFields = 6;
 // Launch 3's heads a CTA: 2 where the group's size is even (the two share the scratch reads
-// of every (t, s)), else 1.
-__host__ __device__ inline int rowsum_heads(int hg) { return hg % 2 == 0 ? 2 : 1; }
+// of every (t, s)) and the words are 32-bit, else 1 (the TF32 path's 64-bit words, held for
+// the second head, would take twice the registers).
+__host__ __device__ inline int rowsum_heads(int hg, int elem = 2) { return hg % 2 == 0 && elem == 2 ? 2 : 1; }
 
 struct MmaAttnBwdParams {
   MmaAttnParams m;   // q, k, v, stats, wt (kBwdWeightFields), partials (kBwdPartFields), chunk
@@ -237,24 +251,23 @@ HW_UNROLL
 // `plane` from the first's (a 64-bit add each): written as part + f plane + at, nvcc
 // factored T out of plane and at and formed each address with 64-bit multiplies (~10
 // instructions a load in the key kernel's SASS).
-template <unsigned Mask>
-__device__ __forceinline__ void load_part_word_pair(PartWord (&w)[kBwdPartWords][2], const PartWord* part,
-                                                    int64_t plane, int64_t at, bool in, bool pair, bool second) {
-  const PartWord* src = part + at;
+template <unsigned Mask, typename W>
+__device__ __forceinline__ void load_part_word_pair(W (&w)[kBwdPartWords][2], const W* part, int64_t plane, int64_t at,
+                                                    bool in, bool pair, bool second) {
+  const W* src = part + at;
 HW_UNROLL
   for (int i = 0; i < kBwdPartWords; ++i, src += plane) {
     if (!((Mask >> i) & 1u)) continue;
-    w[i][0] = w[i][1] = 0u;
+    w[i][0] = w[i][1] = W(0);
     if (in) load_part_words(src, w[i][0], w[i][1], pair, second);
   }
 }
 
 // load_part_word_pair of the pair of a warp's 16 x 32 fragment that element row h of n8 tile
 // j holds: t = q0 + 16 warp + lane / 4 + 8 h, s = s0 + 8 j + 2 (lane % 4), at chunk row t - chunk0.
-template <unsigned Mask>
-__device__ __forceinline__ void load_fragment_words(PartWord (&w)[kBwdPartWords][2], const PartWord* part,
-                                                    int64_t plane, int q0, int s0, int chunk0, int TT, int j, int h,
-                                                    int warp, int lane) {
+template <unsigned Mask, typename W>
+__device__ __forceinline__ void load_fragment_words(W (&w)[kBwdPartWords][2], const W* part, int64_t plane, int q0,
+                                                    int s0, int chunk0, int TT, int j, int h, int warp, int lane) {
   const int t = q0 + warp * 16 + lane / 4 + 8 * h, s = s0 + j * 8 + 2 * (lane % 4);
   load_part_word_pair<Mask>(w, part, plane, static_cast<int64_t>(t - chunk0) * TT + s, t < TT && s < TT,
                             s + 1 < TT && TT % 2 == 0, s + 1 < TT);
@@ -263,43 +276,44 @@ __device__ __forceinline__ void load_fragment_words(PartWord (&w)[kBwdPartWords]
 // Column e (0: s, 1: s + 1) of those words as the 16 fields of (t, s + e): 0 where !kept
 // and outside Mask.
 template <typename T, unsigned Mask>
-__device__ __forceinline__ void unpack_part_column(const PartWord (&w)[kBwdPartWords][2], int e, bool kept,
+__device__ __forceinline__ void unpack_part_column(const PartWordOf<T> (&w)[kBwdPartWords][2], int e, bool kept,
                                                    float (&pt)[kBwdPartFields]) {
 HW_UNROLL
   for (int i = 0; i < kBwdPartWords; ++i) {
-    const PartWord x = ((Mask >> i) & 1u) && kept ? (e == 0 ? w[i][0] : w[i][1]) : 0u;
+    const PartWordOf<T> x = ((Mask >> i) & 1u) && kept ? (e == 0 ? w[i][0] : w[i][1]) : PartWordOf<T>(0);
     unpack_part<T>(x, pt[2 * i], pt[2 * i + 1]);
   }
 }
 
 template <typename T, unsigned Mask>
-__device__ __forceinline__ void load_part_one(float (&pt)[kBwdPartFields], const PartWord* part, int64_t plane,
+__device__ __forceinline__ void load_part_one(float (&pt)[kBwdPartFields], const PartWordOf<T>* part, int64_t plane,
                                               int64_t at, bool in) {
-  const PartWord* src = part + at;
+  const PartWordOf<T>* src = part + at;
 HW_UNROLL
   for (int i = 0; i < kBwdPartWords; ++i, src += plane) {
     if (!((Mask >> i) & 1u)) continue;
-    unpack_part<T>(in ? *src : 0u, pt[2 * i], pt[2 * i + 1]);
+    unpack_part<T>(in ? *src : PartWordOf<T>(0), pt[2 * i], pt[2 * i + 1]);
   }
 }
 
 constexpr unsigned part_bits(int f) { return 1u << (f / 2); }
 
 // Shared memory of the three kernels.
-__host__ __device__ inline int64_t bwd_sweep_smem_bytes(bool pre, int dh_pad, int dv_pad) {
-  const int64_t ldq = dh_pad + 8, ldv = dv_pad + 8;
-  return int64_t(2) * (kTileRows + kTileKeys) * (ldv + (pre ? ldq : 0)) * 2 +
+// elem: bytes of the inputs' dtype (2, or 4 for the TF32 path).
+__host__ __device__ inline int64_t bwd_sweep_smem_bytes(bool pre, int dh_pad, int dv_pad, int elem = 2) {
+  const int64_t ldq = tile_pitch(dh_pad, elem), ldv = tile_pitch(dv_pad, elem);
+  return int64_t(2) * (kTileRows + kTileKeys) * (ldv + (pre ? ldq : 0)) * elem +
          int64_t(4) * 2 * (kQuerySide * kRowPitch + kKeySide * kColPitch);
 }
-__host__ __device__ inline int64_t bwd_rows_smem_bytes(int dh_pad, int dv_pad, int heads) {
-  const int64_t ldq = dh_pad + 8, ldv = dv_pad + 8;
-  return int64_t(heads) * kTileRows * (ldq + ldv) * 2 + int64_t(2) * kTileKeys * (ldq + ldv) * 2 +
+__host__ __device__ inline int64_t bwd_rows_smem_bytes(int dh_pad, int dv_pad, int heads, int elem = 2) {
+  const int64_t ldq = tile_pitch(dh_pad, elem), ldv = tile_pitch(dv_pad, elem);
+  return int64_t(heads) * kTileRows * (ldq + ldv) * elem + int64_t(2) * kTileKeys * (ldq + ldv) * elem +
          int64_t(4) * 2 * kKeySide * kColPitch;
 }
-__host__ __device__ inline int64_t bwd_keys_smem_bytes(int dh_pad, int dv_pad) {
-  const int64_t ldq = dh_pad + 8, ldv = dv_pad + 8;
-  return int64_t(kTileRows) * (ldq + ldv) * 2 + int64_t(2) * kQueryTileCols * (ldq + ldv) * 2 +
-         int64_t(2) * kTileRows * kGradPitch * 2 +
+__host__ __device__ inline int64_t bwd_keys_smem_bytes(int dh_pad, int dv_pad, int elem = 2) {
+  const int64_t ldq = tile_pitch(dh_pad, elem), ldv = tile_pitch(dv_pad, elem);
+  return int64_t(kTileRows) * (ldq + ldv) * elem + int64_t(2) * kQueryTileCols * (ldq + ldv) * elem +
+         int64_t(2) * kTileRows * kGradPitch * elem +
          int64_t(4) * (2 * kQueryTileCols * kQueryRecord + kTileRows * kKeyRecord + kTileRows * kKeySlotGrads / 2 +
                        kKeyThreads * kKeySlotGrads);
 }
@@ -317,7 +331,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
   const int q0 = mp.chunk0 + blockIdx.y * kTileRows;
   if (q0 >= TT) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8;
+  const int ldq = mp.dh_pad + kChunk<T>, ldv = mp.dv_pad + kChunk<T>;
 
   int lo, hi;
   split_key_band(q0, kTileRows, TT, p.causal, p.window, (mp.split0 + blockIdx.x) * kSweepSplitKeys,
@@ -364,14 +378,16 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
     hw::cp_async_commit();
   };
 
-  PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
+  PartWordOf<T>* part = part_words<T>(mp.partials) + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
   float sq[kR][kKeyN8][4] = {}, sk[kR][kKeyN8][4] = {};  // (dc, dd) or (da, db) of the warp's 16 x 32 fragment
   // Pre: the words a, b, dc, dd of the warp's fragment, the same for every head of the group:
   // loaded at a key tile's first head and kept in registers for the others (read once per
-  // (t, s) and group, where a load per head read the scratch hg times).
+  // (t, s) and group, where a load per head read the scratch hg times). fp32 words would hold
+  // 128 registers so: the TF32 path loads them per head where it uses them.
   constexpr unsigned kPreWords = part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD);
-  PartWord pw[kKeyN8][2][kBwdPartWords][2] = {};
+  constexpr bool kHoldWords = !std::is_same<T, float>::value;
+  PartWordOf<T> pw[kKeyN8][2][kBwdPartWords][2] = {};
   issue(0);
   for (int item = 0; item < n_items; ++item) {
     const int kt = kt_lo + item / hg, n = item % hg, stage = item & 1, s0 = kt * kTileKeys;
@@ -384,7 +400,7 @@ HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
 HW_UNROLL
           for (int e = 0; e < 4; ++e) sq[r][j][e] = sk[r][j][e] = 0.f;
-      if constexpr (Pre) {
+      if constexpr (Pre && kHoldWords) {
 HW_UNROLL
         for (int j = 0; j < kKeyN8; ++j)
 HW_UNROLL
@@ -407,6 +423,8 @@ HW_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = warp * 16 + gq + 8 * h, t = q0 + r, c = j * 8 + 2 * tq, s = s0 + c;
         const SmemSide qs{rows + r, kRowPitch};
+        if constexpr (Pre && !kHoldWords)
+          load_fragment_words<kPreWords>(pw[j][h], part, plane, q0, s0, mp.chunk0, TT, j, h, warp, lane);
 HW_UNROLL
         for (int e2 = 0; e2 < 2; ++e2) {
           const int e = 2 * h + e2;
@@ -436,7 +454,7 @@ HW_UNROLL
     if (n == hg - 1) {
       // The tile's 2 rank sums (both ranks a word) to the scratch planes of dc dd
       // (Pre = false) or da db.
-      PartWord* planes = part + (Pre ? kPartDA : kPartDC) / 2 * plane;
+      PartWordOf<T>* planes = part + (Pre ? kPartDA : kPartDC) / 2 * plane;
 HW_UNROLL
       for (int j = 0; j < kKeyN8; ++j)
 HW_UNROLL
@@ -444,7 +462,7 @@ HW_UNROLL
           const int r = warp * 16 + gq + 8 * h, t = q0 + r, s = s0 + j * 8 + 2 * tq;
           if (t >= TT || s >= TT) continue;
           const bool pair = s + 1 < TT && TT % 2 == 0, second = s + 1 < TT;
-          PartWord* dst = planes + static_cast<int64_t>(t - mp.chunk0) * TT + s;
+          PartWordOf<T>* dst = planes + static_cast<int64_t>(t - mp.chunk0) * TT + s;
           store_part_words(dst, pack_part<T>(sq[0][j][2 * h], sq[1][j][2 * h]),
                            pack_part<T>(sq[0][j][2 * h + 1], sq[1][j][2 * h + 1]), pair, second);
           store_part_words(dst + plane, pack_part<T>(sk[0][j][2 * h], sk[1][j][2 * h]),
@@ -473,7 +491,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
   const int q0 = mp.chunk0 + static_cast<int>(Dq ? blockIdx.x : blockIdx.x / kRowsumKeySplits) * kTileRows;
   if (q0 >= TT) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8, dh_n8 = mp.dh_pad / 8;
+  const int ldq = mp.dh_pad + kChunk<T>, ldv = mp.dv_pad + kChunk<T>, dh_n8 = mp.dh_pad / 8;
   auto head_of = [&](int u) { return static_cast<int64_t>(b) * H + m0 + u; };
 
   unsigned char* base = hw::dynamic_shared_memory();
@@ -483,7 +501,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
   T* vbuf = kbuf + 2 * kTileKeys * ldq;           // [2][32][ldv]
   float* colf = reinterpret_cast<float*>(vbuf + 2 * kTileKeys * ldv);  // [2][10][33]
 
-  const PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
+  const PartWordOf<T>* part = part_words<T>(mp.partials) + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
 
   // The query side of this thread's two rows per head (D only once launch 3 has written it).
@@ -545,7 +563,7 @@ HW_UNROLL
   // read, per head where it is used (holding it too spilled on sm_80); Heads = 1 loads every
   // word of an n8 tile's half where it uses it (dq's registers hold its dq tile).
   constexpr unsigned kHeld = Heads > 1 ? kMask & ~part_bits(kPartC) : 0u, kPerHead = kMask & ~kHeld;
-  PartWord pw[kKeyN8][2][kBwdPartWords][2] = {};
+  PartWordOf<T> pw[kKeyN8][2][kBwdPartWords][2] = {};
   issue(0);
   for (int i = 0; i < n_tiles; ++i) {
     const int s0 = (kt_lo + i) * kTileKeys;
@@ -593,7 +611,7 @@ HW_UNROLL
             }
           }
         }
-      // dq += (scale dL) K: K by ldmatrix.trans.
+      // dq += (scale dL) K: K by ldmatrix.trans (fp32: scalar loads, fragment_times_rows).
       if (Dq) fragment_times_rows<T>(o, sc, kbuf + stage * kTileKeys * ldq, ldq, dh_n8, lane);
     }
   }
@@ -694,7 +712,7 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   const int n_tiles = (hi - t_lo + kQueryTileCols - 1) / kQueryTileCols;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
   const int slab = warp % 4, hf = warp / 4;
-  const int ldq = mp.dh_pad + 8, ldv = mp.dv_pad + 8;
+  const int ldq = mp.dh_pad + kChunk<T>, ldv = mp.dv_pad + kChunk<T>;
   const int dk0 = key_half_first(mp.dh_pad / 8, hf), dk8 = key_half_n8(mp.dh_pad / 8, hf);
   const int dv0 = key_half_first(mp.dv_pad / 8, hf), dv8 = key_half_n8(mp.dv_pad / 8, hf);
   const int64_t head = static_cast<int64_t>(b) * H + m;
@@ -716,7 +734,7 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   const T* q = static_cast<const T*>(p.q) + head * TT * p.dh;
   const T* dout = static_cast<const T*>(bp.dout) + head * TT * p.dv;
   const float* wt_head = mp.wt + head * mp.wfields * TT;
-  const PartWord* part = mp.partials + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
+  const PartWordOf<T>* part = part_words<T>(mp.partials) + static_cast<int64_t>(bg) * mp.pwords * mp.chunk * TT;
   const int64_t plane = static_cast<int64_t>(mp.chunk) * TT;
 
   // The key side in smem (its 10 fields a row would take 20 registers through the kernel);
@@ -825,23 +843,43 @@ HW_UNROLL
 HW_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int at = (slab * 16 + gq + 8 * h) * kGradPitch + c_half + j * 8 + 2 * tq;
-        *reinterpret_cast<uint32_t*>(ppt + at) = pack2<T>(pp[2 * h], pp[2 * h + 1]);
-        *reinterpret_cast<uint32_t*>(dlt + at) = pack2<T>(dl[2 * h], dl[2 * h + 1]);
+        if constexpr (std::is_same<T, float>::value) {
+          const float2 x{pp[2 * h], pp[2 * h + 1]}, y{dl[2 * h], dl[2 * h + 1]};
+          *reinterpret_cast<float2*>(ppt + at) = x;
+          *reinterpret_cast<float2*>(dlt + at) = y;
+        } else {
+          *reinterpret_cast<uint32_t*>(ppt + at) = pack2<T>(pp[2 * h], pp[2 * h + 1]);
+          *reinterpret_cast<uint32_t*>(dlt + at) = pack2<T>(dl[2 * h], dl[2 * h + 1]);
+        }
       }
     }
     slot_grads(acc, true);
     __syncthreads();
     // dv += P'^T dO, dk += (scale dL)^T Q over the 32 queries: the slab's A rows by
-    // ldmatrix, the query rows by ldmatrix.trans, half hf's n8 tiles.
-    const int quad = lane / 8, rq8 = lane % 8;
+    // ldmatrix, the query rows by ldmatrix.trans, half hf's n8 tiles. fp32: k8 steps in the
+    // pair order of tf32_pair_step, A as (a0, a2) and (a1, a3) 8-byte loads of the rows g and
+    // g + 8 (2 tq, 2 tq + 1 of the step: conflict-free at kGradPitch = 40 words).
+    if constexpr (std::is_same<T, float>::value) {
+HW_NO_UNROLL
+      for (int kk = 0; kk < kQueryTileCols / 8; ++kk) {
+        const int a_at = (slab * 16 + gq) * kGradPitch + kk * 8 + 2 * tq;
+        uint32_t fa[4];
+        tf32_pair_a(fa, ppt + a_at, 8 * kGradPitch);  // a loop (not unrolled): unrolled, 8 B spilled on sm_90
+        tf32_pair_step(odv, fa, ot + kk * 8 * ldv + dv0 * 8, ldv, dv8, lane);
+        tf32_pair_a(fa, dlt + a_at, 8 * kGradPitch);
+        tf32_pair_step(odk, fa, qt + kk * 8 * ldq + dk0 * 8, ldq, dk8, lane);
+      }
+    } else {
+      const int quad = lane / 8, rq8 = lane % 8;
 HW_UNROLL
-    for (int kk = 0; kk < kQueryTileCols / 16; ++kk) {
-      const int a_at = (slab * 16 + (quad & 1) * 8 + rq8) * kGradPitch + kk * 16 + (quad >> 1) * 8;
-      uint32_t fa[4];
-      hw::ldmatrix<4>(fa, ppt + a_at);
-      a_times_rows_k16<T>(odv, fa, ot + kk * 16 * ldv + dv0 * 8, ldv, dv8, lane);
-      hw::ldmatrix<4>(fa, dlt + a_at);
-      a_times_rows_k16<T>(odk, fa, qt + kk * 16 * ldq + dk0 * 8, ldq, dk8, lane);
+      for (int kk = 0; kk < kQueryTileCols / 16; ++kk) {
+        const int a_at = (slab * 16 + (quad & 1) * 8 + rq8) * kGradPitch + kk * 16 + (quad >> 1) * 8;
+        uint32_t fa[4];
+        hw::ldmatrix<4>(fa, ppt + a_at);
+        a_times_rows_k16<T>(odv, fa, ot + kk * 16 * ldv + dv0 * 8, ldv, dv8, lane);
+        hw::ldmatrix<4>(fa, dlt + a_at);
+        a_times_rows_k16<T>(odk, fa, qt + kk * 16 * ldq + dk0 * 8, ldq, dk8, lane);
+      }
     }
   }
   hw::cp_async_wait<0>();

@@ -91,9 +91,9 @@
 // (t, s) the FLOPs are the bf16 kernels' at half the tensor-core rate of 16-bit operands, and
 // the tile bytes double: shared memory at dh = dv = 128 is 2 x 96 x 132 x 4 + ~5.4 KiB
 // + 0.5 KiB hg = 104.4 KiB + 0.5 KiB hg (120.4 KiB at hg = 32: one CTA per SM on sm_80 and
-// sm_90) for the sweeps and 64 x 132 x 4 + 2 x 32 x 264 x 4 + 1.5 KiB = 101.5 KiB (two CTAs
-// per sm_90 SM, one per sm_80 SM) for the output. The backward of fp32 runs the SIMT kernels
-// at full precision on these statistics.
+// sm_90) for the sweeps and 64 x 132 x 4 + 2 x 32 x 264 x 4 + 1.5 KiB = 100.5 KiB (two CTAs
+// per sm_90 SM, one per sm_80 SM) for the output. The backward runs at T = float too
+// (dcmha_attention_mma_bwd_kernel.cuh).
 #pragma once
 
 #include "../common/mma_primitives.cuh"
@@ -457,31 +457,48 @@ HW_UNROLL
   }
 }
 
+// o[j] += A B for one k8 step of TF32 (fp32 operands) in the pair order: ldmatrix.trans moves
+// 16-bit elements, so B = smem rows [8][ld] (k = the row) is read by scalar loads, and the
+// step's k slots tq and tq + 4 (mma's) are rows 2 tq and 2 tq + 1, so that a lane's A values
+// are the adjacent pairs an accumulator fragment or an 8-byte load holds: A's (a0, a1, a2,
+// a3) = (row g k 2tq, row g+8 k 2tq, row g k 2tq+1, row g+8 k 2tq+1), B's (b0, b1) = rows
+// 2 tq and 2 tq + 1, column 8 j + g. Those loads are conflict-free at ld = d_pad + 4 (d_pad a
+// multiple of 16): bank 8 tq + g. n8 tiles j < n8 (<= DTiles).
+template <int DTiles>
+__device__ __forceinline__ void tf32_pair_step(float (&o)[DTiles][4], const uint32_t (&fa)[4], const float* rows,
+                                               int ld, int n8, int lane) {
+  const float* r0 = rows + 2 * (lane % 4) * ld + lane / 4;
+HW_UNROLL
+  for (int j = 0; j < DTiles; ++j) {
+    if (j >= n8) break;
+    const uint32_t fb[2] = {__float_as_uint(r0[j * 8]), __float_as_uint(r0[ld + j * 8])};
+    hw::mma_step<float>(o[j], fa, fb);
+  }
+}
+
+// The pair-order A fragment of tf32_pair_step from smem: (a0, a2) at p (row g: k 2 tq, 2 tq + 1
+// of the step) and (a1, a3) at p + row8 (row g + 8), 8-byte loads.
+__device__ __forceinline__ void tf32_pair_a(uint32_t (&fa)[4], const float* p, int row8) {
+  const float2 lo = *reinterpret_cast<const float2*>(p), hi = *reinterpret_cast<const float2*>(p + row8);
+  fa[0] = __float_as_uint(lo.x);
+  fa[1] = __float_as_uint(hi.x);
+  fa[2] = __float_as_uint(lo.y);
+  fa[3] = __float_as_uint(hi.y);
+}
+
 // o[j] += A B for the warp's 16 rows: A = the warp's 16 x 32 accumulator fragment acc packed
 // to T (k = the tile's 32 columns, two k16 steps), B = smem rows [32][ld] (k = the row) read
-// by ldmatrix.trans; n8 tiles j < n8 (<= DTiles).
-// fp32 (TF32, four k8 steps): ldmatrix.trans moves 16-bit elements, so B is read by scalar
-// loads, and the k order inside a step is permuted so that A is the accumulator as it stands:
-// k slot tq of the step is key 2 tq and slot tq + 4 key 2 tq + 1 of the n8 tile j, so A's
-// (a0, a1, a2, a3) = (row g key 2tq, row g+8 key 2tq, row g key 2tq+1, row g+8 key 2tq+1) =
-// acc[j][0, 2, 1, 3], and B's (b0, b1) = rows 8 j + 2 tq and 8 j + 2 tq + 1, column 8 n + g.
-// Those loads are conflict-free at ld = d_pad + 4 (d_pad a multiple of 16): bank 8 tq + g.
+// by ldmatrix.trans; n8 tiles j < n8 (<= DTiles). fp32: four k8 steps of tf32_pair_step, A the
+// accumulator as it stands (n8 tile kk's (c0, c2, c1, c3)).
 template <typename T, int DTiles>
 __device__ __forceinline__ void fragment_times_rows(float (&o)[DTiles][4], const float (&acc)[kKeyN8][4], const T* rows,
                                                     int ld, int n8, int lane) {
   if constexpr (std::is_same<T, float>::value) {
-    const int gq = lane / 4, tq = lane % 4;
 HW_UNROLL
     for (int kk = 0; kk < kKeyN8; ++kk) {
       const uint32_t fa[4] = {__float_as_uint(acc[kk][0]), __float_as_uint(acc[kk][2]), __float_as_uint(acc[kk][1]),
                               __float_as_uint(acc[kk][3])};
-      const float* r0 = rows + (kk * 8 + 2 * tq) * ld + gq;
-HW_UNROLL
-      for (int j = 0; j < DTiles; ++j) {
-        if (j >= n8) break;
-        const uint32_t fb[2] = {__float_as_uint(r0[j * 8]), __float_as_uint(r0[ld + j * 8])};
-        hw::mma_step<T>(o[j], fa, fb);
-      }
+      tf32_pair_step(o, fa, rows + kk * 8 * ld, ld, n8, lane);
     }
   } else {
 HW_UNROLL

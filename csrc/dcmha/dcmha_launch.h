@@ -274,16 +274,21 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
   });
 }
 
-// Whether the tensor-core backward takes this call: bf16 / fp16, dh and dv padded to at
+// Whether the tensor-core backward takes this call: bf16 / fp16, or fp32 after a TF32
+// forward (forward_takes_tensor_cores: the same truncated operands), dh and dv padded to at
 // most 128 (the dq / dk / dv accumulators of a warp's 16 rows), every kernel's shared
-// memory within the device's opt-in limit, grids within CUDA's limits.
-inline bool mma_backward_fits(const AttnParams& p, at::ScalarType dtype, int dh_pad, int dv_pad) {
+// memory within the device's opt-in limit (fp32 tiles are twice the bytes: at dh = dv = 128
+// the dL' sweep takes 207 KiB, which sm_90 holds and sm_80 does not), grids within CUDA's
+// limits.
+inline bool mma_backward_fits(const AttnShape& s, const AttnParams& p, at::ScalarType dtype, int dh_pad, int dv_pad) {
   const size_t limit = hw::max_dynamic_smem_optin();
+  const int elem = static_cast<int>(c10::elementSize(dtype));
   const int64_t need =
-      std::max({mma_loop_smem_bytes(p.hg, dh_pad), bwd_sweep_smem_bytes(true, dh_pad, dv_pad),
-                bwd_rows_smem_bytes(dh_pad, dv_pad, rowsum_heads(p.hg)), bwd_keys_smem_bytes(dh_pad, dv_pad),
-                transpose_smem_bytes()});
-  return dtype != at::kFloat && dh_pad <= 128 && dv_pad <= 128 && static_cast<size_t>(need) <= limit &&
+      std::max({mma_loop_smem_bytes(p.hg, dh_pad, elem), bwd_sweep_smem_bytes(true, dh_pad, dv_pad, elem),
+                bwd_rows_smem_bytes(dh_pad, dv_pad, rowsum_heads(p.hg, elem), elem),
+                bwd_keys_smem_bytes(dh_pad, dv_pad, elem), transpose_smem_bytes()});
+  return (dtype != at::kFloat || forward_takes_tensor_cores(s, p, dtype, dh_pad, dv_pad)) && dh_pad <= 128 &&
+         dv_pad <= 128 && static_cast<size_t>(need) <= limit &&
          static_cast<int64_t>(p.B) * (p.H / p.hg) <= 65535 && p.B <= 65535 && p.H <= 65535 &&
          (static_cast<int64_t>(p.T) + kTileRows - 1) / kTileRows <= 65535;
 }
@@ -302,14 +307,17 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
                                           at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dw1,
                                           at::Tensor& dw2, at::Tensor& dg, int dh_pad, int dv_pad) {
   const int64_t groups = p.H / p.hg;
-  const int64_t chunk = query_chunk_rows(p, kBwdPartWords);
+  const int elem = static_cast<int>(q.element_size());
+  const int64_t word_bytes = elem == 4 ? 8 : 4;  // sizeof(PartWordOf<T>)
+  const int64_t chunk = query_chunk_rows(p, kBwdPartWords, word_bytes);
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kBwdWeightFields, p.T}, fopt);
   wt.select(2, kFieldM).copy_(stats[0]);
   wt.select(2, kFieldInvZ).copy_(inverse_row_sums(stats[1]));
   // Zeroed: the key-tile kernels' lanes read (t, s) of other tiles' bands too (then drop
   // the values), and no read may be of uninitialized memory (compute-sanitizer initcheck).
-  at::Tensor partials = at::zeros({p.B * groups, kBwdPartWords, chunk, p.T}, q.options().dtype(at::kInt));
+  at::Tensor partials =
+      at::zeros({p.B * groups, kBwdPartWords, chunk, p.T}, q.options().dtype(word_bytes == 8 ? at::kLong : at::kInt));
   // Stored by the first chunk that reads a key tile, so not zeroed (dcmha_attn_bwd_keys).
   at::Tensor dk32 = at::empty(k.sizes(), fopt), dv32 = at::empty(v.sizes(), fopt);
   at::Tensor gt = at::zeros({p.B, p.H, kWeightFields, p.T}, fopt);
@@ -318,14 +326,16 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   MmaAttnBwdParams bp{};
   bp.m.f = p;
   bp.m.wt = wt.data_ptr<float>();
-  bp.m.partials = reinterpret_cast<PartWord*>(partials.data_ptr<int32_t>());
+  bp.m.partials = static_cast<PartWord*>(partials.data_ptr());
   bp.m.chunk = static_cast<int>(chunk);
   bp.m.wfields = kBwdWeightFields;
   bp.m.pwords = kBwdPartWords;
   bp.m.dh_pad = dh_pad;
   bp.m.dv_pad = dv_pad;
-  bp.m.vec16 = p.dh % 8 == 0 && p.dv % 8 == 0 && aligned16(q.data_ptr()) && aligned16(k.data_ptr()) &&
-               aligned16(v.data_ptr()) && aligned16(dout.data_ptr()) && aligned16(dq.data_ptr());
+  const int chunk_elems = 16 / elem;
+  bp.m.vec16 = p.dh % chunk_elems == 0 && p.dv % chunk_elems == 0 && aligned16(q.data_ptr()) &&
+               aligned16(k.data_ptr()) && aligned16(v.data_ptr()) && aligned16(dout.data_ptr()) &&
+               aligned16(dq.data_ptr());
   bp.wt = wt.data_ptr<float>();
   bp.dout = dout.data_ptr();
   bp.dq = dq.data_ptr();
@@ -337,52 +347,50 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   bp.rowsum_parts = rowsum_parts.data_ptr<float>();
   bp.rowsum_pitch = static_cast<int>(rowsum_pitch);
   const size_t wt_smem = static_cast<size_t>(transpose_smem_bytes());
-  const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad));
-  const size_t post_smem = static_cast<size_t>(bwd_sweep_smem_bytes(false, dh_pad, dv_pad));
-  const size_t pre_smem = static_cast<size_t>(bwd_sweep_smem_bytes(true, dh_pad, dv_pad));
-  const int rs_heads = rowsum_heads(p.hg);
-  const size_t rowsum_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad, rs_heads));
-  const size_t rows_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad, 1));
-  const size_t keys_smem = static_cast<size_t>(bwd_keys_smem_bytes(dh_pad, dv_pad));
+  const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad, elem));
+  const size_t post_smem = static_cast<size_t>(bwd_sweep_smem_bytes(false, dh_pad, dv_pad, elem));
+  const size_t pre_smem = static_cast<size_t>(bwd_sweep_smem_bytes(true, dh_pad, dv_pad, elem));
+  const int rs_heads = rowsum_heads(p.hg, elem);
+  const size_t rowsum_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad, rs_heads, elem));
+  const size_t rows_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad, 1, elem));
+  const size_t keys_smem = static_cast<size_t>(bwd_keys_smem_bytes(dh_pad, dv_pad, elem));
   const unsigned bg = static_cast<unsigned>(p.B * groups), H = static_cast<unsigned>(p.H),
                  B = static_cast<unsigned>(p.B);
   dispatch_storage_dtype(q.scalar_type(), "dcmha_attention_backward", "q", [&](auto tag) {
     using T = decltype(tag);
-    if constexpr (!std::is_same<T, float>::value) {
-      auto kw = &dcmha_attn_weights_t;
-      auto kp = &dcmha_attn_sweep<T, true>;
-      auto k_post = &dcmha_attn_bwd_sweep<T, false>;
-      auto k_pre = &dcmha_attn_bwd_sweep<T, true>;
-      auto k_rowsum = rs_heads == 2 ? &dcmha_attn_bwd_rows<T, false, 4, 2> : &dcmha_attn_bwd_rows<T, false, 4, 1>;
-      auto k_dq = dh_pad <= 32 ? &dcmha_attn_bwd_rows<T, true, 4, 1> : &dcmha_attn_bwd_rows<T, true, 16, 1>;
-      auto k_keys = std::max(dh_pad, dv_pad) <= 32 ? &dcmha_attn_bwd_keys<T, 2> : &dcmha_attn_bwd_keys<T, 8>;
-      const char* op = "dcmha_attention_backward";
-      hw::allow_dynamic_smem(op, kw, wt_smem);
-      hw::allow_dynamic_smem(op, kp, loop_smem);
-      hw::allow_dynamic_smem(op, k_post, post_smem);
-      hw::allow_dynamic_smem(op, k_pre, pre_smem);
-      hw::allow_dynamic_smem(op, k_rowsum, rowsum_smem);
-      hw::allow_dynamic_smem(op, k_dq, rows_smem);
-      hw::allow_dynamic_smem(op, k_keys, keys_smem);
-      HW_LAUNCH("dcmha_attn_weights_t", kw, transpose_grid(p), dim3(kTransposeThreads), wt_smem, p,
-                wt.data_ptr<float>(), kBwdWeightFields, weights_vec4(p));
-      for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
-        bp.m.chunk0 = static_cast<int>(c0);
-        const unsigned tiles = query_tiles(p.T, c0, chunk);
-        const unsigned splits = band_key_blocks(p, c0, chunk, kSweepSplitKeys, bp.m.split0);
-        const unsigned key_tiles = band_key_blocks(p, c0, chunk, kTileRows, bp.key_tile0);
-        const dim3 sweep_grid(splits, tiles, bg), rows_grid(tiles, H, B), keys_grid(key_tiles, H, B);
-        const dim3 rowsum_grid(tiles * kRowsumKeySplits, H / rs_heads, B),
-            combine_grid(static_cast<unsigned>((tiles * kTileRows + kMmaThreads - 1) / kMmaThreads), H, B);
-        HW_LAUNCH("dcmha_attn_partials", kp, sweep_grid, dim3(kMmaThreads), loop_smem, bp.m);
-        HW_LAUNCH("dcmha_attn_bwd_dpost", k_post, sweep_grid, dim3(kMmaThreads), post_smem, bp);
-        HW_LAUNCH("dcmha_attn_bwd_rowsum", k_rowsum, rowsum_grid, dim3(kMmaThreads), rowsum_smem, bp);
-        HW_LAUNCH("dcmha_attn_bwd_rowsum_combine", dcmha_attn_bwd_rowsum_combine, combine_grid, dim3(kMmaThreads), 0,
-                  bp);
-        HW_LAUNCH("dcmha_attn_bwd_dpre", k_pre, sweep_grid, dim3(kMmaThreads), pre_smem, bp);
-        HW_LAUNCH("dcmha_attn_bwd_dq", k_dq, rows_grid, dim3(kMmaThreads), rows_smem, bp);
-        HW_LAUNCH("dcmha_attn_bwd_dkv", k_keys, keys_grid, dim3(kKeyThreads), keys_smem, bp);
-      }
+    auto kw = &dcmha_attn_weights_t;
+    auto kp = &dcmha_attn_sweep<T, true>;
+    auto k_post = &dcmha_attn_bwd_sweep<T, false>;
+    auto k_pre = &dcmha_attn_bwd_sweep<T, true>;
+    auto k_rowsum = rs_heads == 2 ? &dcmha_attn_bwd_rows<T, false, 4, 2> : &dcmha_attn_bwd_rows<T, false, 4, 1>;
+    auto k_dq = dh_pad <= 32 ? &dcmha_attn_bwd_rows<T, true, 4, 1> : &dcmha_attn_bwd_rows<T, true, 16, 1>;
+    auto k_keys = std::max(dh_pad, dv_pad) <= 32 ? &dcmha_attn_bwd_keys<T, 2> : &dcmha_attn_bwd_keys<T, 8>;
+    const char* op = "dcmha_attention_backward";
+    hw::allow_dynamic_smem(op, kw, wt_smem);
+    hw::allow_dynamic_smem(op, kp, loop_smem);
+    hw::allow_dynamic_smem(op, k_post, post_smem);
+    hw::allow_dynamic_smem(op, k_pre, pre_smem);
+    hw::allow_dynamic_smem(op, k_rowsum, rowsum_smem);
+    hw::allow_dynamic_smem(op, k_dq, rows_smem);
+    hw::allow_dynamic_smem(op, k_keys, keys_smem);
+    HW_LAUNCH("dcmha_attn_weights_t", kw, transpose_grid(p), dim3(kTransposeThreads), wt_smem, p,
+              wt.data_ptr<float>(), kBwdWeightFields, weights_vec4(p));
+    for (int64_t c0 = 0; c0 < p.T; c0 += chunk) {
+      bp.m.chunk0 = static_cast<int>(c0);
+      const unsigned tiles = query_tiles(p.T, c0, chunk);
+      const unsigned splits = band_key_blocks(p, c0, chunk, kSweepSplitKeys, bp.m.split0);
+      const unsigned key_tiles = band_key_blocks(p, c0, chunk, kTileRows, bp.key_tile0);
+      const dim3 sweep_grid(splits, tiles, bg), rows_grid(tiles, H, B), keys_grid(key_tiles, H, B);
+      const dim3 rowsum_grid(tiles * kRowsumKeySplits, H / rs_heads, B),
+          combine_grid(static_cast<unsigned>((tiles * kTileRows + kMmaThreads - 1) / kMmaThreads), H, B);
+      HW_LAUNCH("dcmha_attn_partials", kp, sweep_grid, dim3(kMmaThreads), loop_smem, bp.m);
+      HW_LAUNCH("dcmha_attn_bwd_dpost", k_post, sweep_grid, dim3(kMmaThreads), post_smem, bp);
+      HW_LAUNCH("dcmha_attn_bwd_rowsum", k_rowsum, rowsum_grid, dim3(kMmaThreads), rowsum_smem, bp);
+      HW_LAUNCH("dcmha_attn_bwd_rowsum_combine", dcmha_attn_bwd_rowsum_combine, combine_grid, dim3(kMmaThreads), 0,
+                bp);
+      HW_LAUNCH("dcmha_attn_bwd_dpre", k_pre, sweep_grid, dim3(kMmaThreads), pre_smem, bp);
+      HW_LAUNCH("dcmha_attn_bwd_dq", k_dq, rows_grid, dim3(kMmaThreads), rows_smem, bp);
+      HW_LAUNCH("dcmha_attn_bwd_dkv", k_keys, keys_grid, dim3(kKeyThreads), keys_smem, bp);
     }
   });
   hw::allow_dynamic_smem("dcmha_attention_backward", &dcmha_attn_grads_untranspose, wt_smem);
@@ -636,20 +644,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor dg = new_output(gf.sizes(), gf.options());
   const int dh_pad = pad16(s.head_dim), dv_pad = pad16(s.v_dim);
   AttnParams f = attention_params(s, qc, kc, vc, w1f, w2f, gf, causal, window, scale);
-  // After a TF32 forward the fp32 kernels read q, k, v as its tensor cores did.
-  at::Tensor q_tf32, k_tf32, v_tf32;
-  if (q.scalar_type() == at::kFloat && s.batch * s.seq > 0 &&
-      forward_takes_tensor_cores(s, f, q.scalar_type(), dh_pad, dv_pad)) {
-    q_tf32 = tf32_operand(qc);
-    k_tf32 = tf32_operand(kc);
-    v_tf32 = tf32_operand(vc);
-    f = attention_params(s, q_tf32, k_tf32, v_tf32, w1f, w2f, gf, causal, window, scale);
-  }
   f.stats = st.data_ptr<float>();
-  if (s.batch * s.seq > 0 && mma_backward_fits(f, q.scalar_type(), dh_pad, dv_pad)) {
-    // bf16 / fp16 on the tensor-core kernels; the key-slot grads are sums over chunks.
+  if (s.batch * s.seq > 0 && mma_backward_fits(s, f, q.scalar_type(), dh_pad, dv_pad)) {
+    // bf16 / fp16, and fp32 after a TF32 forward, on the tensor-core kernels; the key-slot
+    // grads are sums over chunks.
     launch_mma_attention_backward(f, qc, kc, vc, dout, st, dq, dk, dv, dw1, dw2, dg, dh_pad, dv_pad);
   } else if (s.batch * s.seq > 0) {
+    // After a TF32 forward whose backward does not fit the tensor-core kernels (fp32 tiles
+    // at dh = 128 on sm_80), the SIMT kernels read q, k, v as its tensor cores did.
+    at::Tensor q_tf32, k_tf32, v_tf32;
+    if (q.scalar_type() == at::kFloat && forward_takes_tensor_cores(s, f, q.scalar_type(), dh_pad, dv_pad)) {
+      q_tf32 = tf32_operand(qc);
+      k_tf32 = tf32_operand(kc);
+      v_tf32 = tf32_operand(vc);
+      f = attention_params(s, q_tf32, k_tf32, v_tf32, w1f, w2f, gf, causal, window, scale);
+      f.stats = st.data_ptr<float>();
+    }
     at::Tensor D = new_output({s.batch, s.heads, s.seq}, w1f.options());  // rowsum(P dP) for the key kernel
     // (M, 1 / Z): both kernels form P = exp(L - M) (1 / Z) as the forward does, with no
     // division in their loops (the call to its slow path spilled the key kernel); the

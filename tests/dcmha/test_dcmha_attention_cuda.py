@@ -11,7 +11,7 @@ from headwise import DCMHAWeights, reference
 from headwise.testing import rel_err
 
 from dcmha_helpers import make_weights
-from test_dcmha_attention_sim import CASES, MMA_CASES, MMA_TOL, NAMES
+from test_dcmha_attention_sim import CASES, MMA_CASES, MMA_TOL, NAMES, TF32_TOL
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA = headwise.testing.backend("cuda") if torch.cuda.is_available() else None
@@ -54,3 +54,23 @@ def test_cuda_backward_bitwise_repeatable(dtype):
     first, again = (_run(CUDA.dcmha_attention, leaves, grad.to("cuda", dtype), dict(window=90)) for _ in range(2))
     for name, x, y in zip(NAMES, first, again):
         assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("b,h,t,dh,dv,kw", [(1, 4, 150, 8, 8, {}), (1, 2, 67, 37, 5, dict(causal=False)),
+                                            (1, 2, 130, 24, 40, dict(window=1)), (1, 2, 67, 128, 128, {})])
+def test_cuda_tf32_forward_and_backward_match_reference(b, h, t, dh, dv, kw):
+    # fp32 with TF32 allowed: the tensor-core kernels at T = float (the SIMT backward where its
+    # shared memory does not fit, as at dh = 128 on sm_80), bitwise repeatable.
+    leaves, grad = _inputs(b, h, t, dh, dv)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        got = _run(CUDA.dcmha_attention, [x.cuda() for x in leaves], grad.cuda(), kw)
+        again = _run(CUDA.dcmha_attention, [x.cuda() for x in leaves], grad.cuda(), kw)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    want = _run(reference.dcmha_attention, [x.double() for x in leaves], grad.double(), kw)
+    for name, x, y, z in zip(NAMES, got, want, again):
+        err = rel_err(x.double(), y)
+        assert err <= TF32_TOL, f"{name}: relative error {err:.3g}"
+        assert torch.equal(x, z), name

@@ -428,8 +428,8 @@ def test_sim_tensor_core_backward_opcheck():
 # the tensor core drops the low 13 mantissa bits of QK^T's and P'V's operands, and the rank
 # partials stay fp32 (64-bit scratch words). At full precision (torch's default) fp32 keeps
 # the SIMT kernel. Largest errors over these cases against fp64: output 3.4e-3, gradients
-# 2.4e-3 (the fp32 backward reads q, k, v truncated as the forward's tensor cores did), row
-# statistics against the CPU kernel's 1.2e-3.
+# 3.2e-3 (the tensor-core backward at T = float; 2.4e-3 from the SIMT backward reading q, k, v
+# truncated as the forward's tensor cores did), row statistics against the CPU kernel's 1.2e-3.
 TF32_TOL = 5e-3
 TF32_STATS_TOL = 2e-3
 TC_FORWARD_KERNELS = {"dcmha_attn_stats", "dcmha_attn_partials", "dcmha_attn_output"}
@@ -505,14 +505,72 @@ def test_sim_tf32_forward_query_chunks_and_misaligned_view(allow_tf32, monkeypat
     assert torch.equal(SIM.dcmha_attention(q, k, v, w, window=90), whole)
 
 
-@pytest.mark.parametrize("b,h,t,dh,dv,kw", [(1, 4, 37, 16, 8, dict(window=20)), (1, 2, 67, 128, 128, {}),
-                                            (1, 6, 65, 16, 16, dict(head_groups=3, window=7, scale=0.9)),
-                                            (1, 2, 67, 37, 5, dict(causal=False))])
-def test_sim_backward_after_tf32_forward(allow_tf32, b, h, t, dh, dv, kw):
-    # The fp32 backward (the SIMT kernels) normalizes P by the TF32 forward's statistics, so it
-    # forms its logits from q, k, v truncated to TF32 as the forward's tensor cores read them:
-    # from the full-precision inputs its gradients were off by 3-5e-2.
+@pytest.mark.parametrize("b,h,t,dh,dv,kw", MMA_CASES + [(1, 2, 67, 128, 128, {}), (1, 2, 37, 48, 24, {})])
+def test_sim_tf32_backward_matches_reference(allow_tf32, b, h, t, dh, dv, kw):
+    # After a TF32 forward the fp32 backward runs the tensor-core kernels at T = float.
     got, want = _mma_backward_case(SIM.dcmha_attention, b, h, t, dh, dv, kw, torch.float32)
     for name, x, y in zip(NAMES, got, want):
         err = rel_err(x.double(), y)
         assert err <= TF32_TOL, f"{name}: relative error {err:.3g}"
+    assert [x.dtype for x in got[1:4]] == [torch.float32] * 3
+
+
+@pytest.mark.parametrize("tf32", [False, True], ids=["highest", "tf32"])
+def test_sim_fp32_backward_takes_tensor_cores_only_after_a_tf32_forward(tf32):
+    """With TF32 allowed the fp32 backward runs the tensor-core kernels, each product kernel
+    issuing mma.sync and every kernel's global loads and stores within 1.1x of the ideal
+    sectors a request; at full precision the SIMT pair."""
+    import importlib.util
+
+    if importlib.util.find_spec("headwise._sim_profile") is None:
+        pytest.skip("headwise._sim_profile not built")
+    from headwise.ops import load_profile_library
+    from headwise.testing import profiled_launches
+
+    ops = load_profile_library()
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        (got, want), recs = profiled_launches(
+            lambda: _mma_backward_case(ops.dcmha_attention, 1, 2, 128, 64, 64, {}, torch.float32))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    for name, x, y in zip(NAMES[1:], got[1:], want[1:]):
+        assert rel_err(x.double(), y) <= (TF32_TOL if tf32 else 1e-5), name
+    names = {r["kernel"] for r in recs}
+    if not tf32:
+        assert {"dcmha_attention_bwd_query", "dcmha_attention_bwd_key"} <= names and not names & TC_BACKWARD_KERNELS
+        return
+    assert TC_BACKWARD_KERNELS <= names, names
+    assert not names & {"dcmha_attention_bwd_query", "dcmha_attention_bwd_key"}
+    for r in recs:
+        if r["kernel"] in TC_BACKWARD_KERNELS - TC_BACKWARD_NO_MMA:
+            assert r["mma"] > 0, r["kernel"]
+        if r["kernel"] in TC_BACKWARD_KERNELS:
+            for kind in ("global_load_sectors", "global_store_sectors"):
+                assert r[kind] <= 1.1 * r[kind + "_ideal"], (r["kernel"], kind, r[kind], r[kind + "_ideal"])
+
+
+def test_sim_tf32_backward_where_the_tensor_cores_do_not_fit(allow_tf32, monkeypatch):
+    # fp32 tiles at dh = dv = 128 take 207 KiB in the dL' sweep: over sm_80's 163 KiB, so the
+    # SIMT backward runs there, reading q, k, v truncated to TF32 as the forward's tensor cores
+    # did (from the full-precision inputs its gradients were off by 3-5e-2).
+    monkeypatch.setenv("HEADWISE_SIM_SMEM_OPTIN", "166912")
+    got, want = _mma_backward_case(SIM.dcmha_attention, 1, 2, 67, 128, 128, {}, torch.float32)
+    for name, x, y in zip(NAMES, got, want):
+        err = rel_err(x.double(), y)
+        assert err <= TF32_TOL, f"{name}: relative error {err:.3g}"
+
+
+def test_sim_tf32_backward_query_chunks(allow_tf32, monkeypatch):
+    # 64-row query chunks: dq bitwise the one-chunk value, every gradient bitwise repeatable.
+    case = (1, 4, 150, 16, 16, dict(window=90), torch.float32)
+    whole, want = _mma_backward_case(SIM.dcmha_attention, *case)
+    monkeypatch.setenv("HEADWISE_DCMHA_SCRATCH_BYTES", "1")
+    chunked, _ = _mma_backward_case(SIM.dcmha_attention, *case)
+    again, _ = _mma_backward_case(SIM.dcmha_attention, *case)
+    for name, x, y, z, r in zip(NAMES, whole, chunked, again, want):
+        assert torch.equal(y, z), name
+        assert rel_err(y.double(), r) <= TF32_TOL, name
+        if name in ("out", "grad q"):
+            assert torch.equal(x, y), name
