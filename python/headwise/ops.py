@@ -546,7 +546,10 @@ class Ops:
         normalize + post-compose + P'V); saves only the inputs and ``[2, B, H, T]`` row
         statistics; never allocates ``[B, H, T, T]``. Differentiable in q, k, v and the
         weights. Under autocast (like ``F.scaled_dot_product_attention``), q, k, v and
-        the weights are cast to the autocast dtype."""
+        the weights are cast to the autocast dtype. On CUDA, fp32 follows torch's float32
+        matmul precision as ``torch.matmul`` does: with TF32 allowed
+        (``torch.backends.cuda.matmul.allow_tf32``, or a precision of "high") the products
+        run on TF32 tensor cores, forward and backward; otherwise at full precision."""
         from .dcmha import check_weights
 
         w = check_weights(weights, "dcmha_attention")

@@ -135,7 +135,7 @@ FITTED = ["ctas", "global_load_requests", "global_load_sectors", "global_load_se
           "global_store_requests", "global_store_sectors", "global_store_sectors_ideal", "global_store_bytes",
           "unique_load_bytes", "unique_store_bytes", "unique_bytes", "l2_sectors", "smem_requests",
           "smem_wavefronts", "smem_wavefronts_ideal", "mma", "ldmatrix", "cp_async_bytes", "barriers", "load_rounds"]
-BF16 = 2  # bytes per element of the profiled dtype
+BF16 = 2  # bytes per element of the profiled dtype (bf16 but for OpSpec.dtype = "float32")
 
 
 @dataclasses.dataclass
@@ -149,6 +149,7 @@ class OpSpec:
     min_bytes: Callable[[dict], dict]     # shape -> {phase: bytes}
     flops: Callable[[dict], dict]         # shape -> {phase: {kernel: FLOPs}}
     gemm: Callable[[dict], dict] | None = None  # shape -> {phase: (FLOPs, bytes)} of cuBLAS GEMMs
+    dtype: str = "bfloat16"      # the inputs' dtype (the ptxas / SASS instantiation looked up)
 
     def label(self, shape: dict) -> str:
         return " ".join(f"{k}={v}" for k, v in shape.items())
@@ -342,6 +343,27 @@ def _attention_run(ops, s, take, device="cpu"):
     return {"fwd": fwd, "bwd": take()}
 
 
+def _attention_tf32_run(ops, s, take, device="cpu"):
+    """fp32 inputs with TF32 allowed: the tensor-core kernels at T = float, forward and
+    backward."""
+    import headwise
+
+    gen = _gen()
+    q, k, v = (_leaf(_randn(gen, s["B"], s["H"], s["T"], s["dh"]).float(), device) for _ in range(3))
+    weights = headwise.DCMHAWeights(*(_leaf(x.detach().float(), device) for x in _dcmha_weights(s, gen, device)))
+    grad = _randn(gen, s["B"], s["H"], s["T"], s["dh"]).float().to(device)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        take()
+        out = ops.dcmha_attention(q, k, v, weights)
+        fwd = take()
+        out.backward(grad)
+        return {"fwd": fwd, "bwd": take()}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 def _weights_bytes(s):
     return s["B"] * s["T"] * 4 * (2 * 2 + 1) * s["H"] * BF16  # W1, W2 [B, T, 4, R, H], G [B, T, 4, H]
 
@@ -357,8 +379,8 @@ def _compose_flops(s):
             "bwd": {"dcmha_compose_bwd": 2 * COMPOSE_FLOPS * e}}
 
 
-def _attention_bytes(s):
-    qkv = s["B"] * s["H"] * s["T"] * s["dh"] * BF16
+def _attention_bytes(s, elem=BF16):
+    qkv = s["B"] * s["H"] * s["T"] * s["dh"] * elem
     stats = 2 * s["B"] * s["H"] * s["T"] * 4
     return {"fwd": 4 * qkv + _weights_bytes(s) + stats, "bwd": 8 * qkv + 2 * _weights_bytes(s) + stats}
 
@@ -427,6 +449,14 @@ OPS: dict[str, OpSpec] = {
         target=dict(B=8, H=32, T=4096, dh=128),
         basis=lambda s: [s["B"] * s["H"], s["B"] * s["H"] * s["T"], s["B"] * s["H"] * s["T"] ** 2],
         run=_attention_run, min_bytes=_attention_bytes, flops=_attention_flops),
+    "dcmha_tf32": OpSpec(
+        "dcmha_attention tf32",  # its own name: calibrate and the tables key phases by it
+        # The same shapes with fp32 inputs under allow_tf32: the kernels at T = float.
+        shapes=[dict(B=1, H=32, T=T, dh=128) for T in (64, 128, 192)],
+        target=dict(B=8, H=32, T=4096, dh=128),
+        basis=lambda s: [s["B"] * s["H"], s["B"] * s["H"] * s["T"], s["B"] * s["H"] * s["T"] ** 2],
+        run=_attention_tf32_run, min_bytes=lambda s: _attention_bytes(s, elem=4), flops=_attention_flops,
+        dtype="float32"),
 }
 
 
@@ -476,7 +506,7 @@ def profile_op(key: str, ops, lib) -> list[dict]:
         phases = spec.run(ops, shape, lambda: json.loads(lib.sim_profile_take()))
         for phase, launches in phases.items():
             for launch in launches:
-                launch.update(op=f"{spec.name} {phase}", op_key=key, phase=phase, shape=dict(shape), dtype="bfloat16")
+                launch.update(op=f"{spec.name} {phase}", op_key=key, phase=phase, shape=dict(shape), dtype=spec.dtype)
                 records.append(launch)
     _resolve_lines(records)
     return records
