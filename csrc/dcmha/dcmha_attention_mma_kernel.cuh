@@ -137,7 +137,7 @@ struct MmaAttnParams {
   int split0;        // key split of a sweep's blockIdx.x = 0 (the splits before the chunk's band have no work)
   int chunk;         // rows of the scratch (a multiple of 64)
   int dh_pad, dv_pad;
-  int vec16;         // q, k, v, out 16-byte aligned and dh, dv multiples of 8
+  int vec16;         // q, k, v, out 16-byte aligned and dh, dv multiples of kChunk<T> (8, or 4 for fp32)
 };
 
 __host__ __device__ inline int wfield_w1(int c, int r) { return c * 2 + r; }

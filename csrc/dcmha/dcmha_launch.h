@@ -171,8 +171,9 @@ inline bool forward_takes_tensor_cores(const AttnShape& s, const AttnParams& p, 
 // accumulation order differs) and P is normalized by the forward's statistics; from the
 // full-precision inputs the logits would differ by TF32's rounding and P by up to a few
 // percent (the gradients' error was 3-5e-2 in the emulated tests).
+// A NaN whose payload lies in those bits alone stays a NaN (cleared, it would read as an inf).
 inline at::Tensor tf32_operand(const at::Tensor& x) {
-  return x.view(at::kInt).bitwise_and(static_cast<int64_t>(~0x1fff)).view(at::kFloat);
+  return at::where(x.isnan(), x, x.view(at::kInt).bitwise_and(static_cast<int64_t>(~0x1fff)).view(at::kFloat));
 }
 
 // The grid of the weights transposes (dcmha_attn_weights_t, dcmha_attn_grads_untranspose):
@@ -275,8 +276,9 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
 }
 
 // Whether the tensor-core backward takes this call: bf16 / fp16, or fp32 after a TF32
-// forward (forward_takes_tensor_cores: the same truncated operands), dh and dv padded to at
-// most 128 (the dq / dk / dv accumulators of a warp's 16 rows), every kernel's shared
+// forward (forward_takes_tensor_cores: the same truncated operands; it reads torch's TF32
+// setting, which the autograd wrapper sets to the forward's around this op), dh and dv
+// padded to at most 128 (the dq / dk / dv accumulators of a warp's 16 rows), every kernel's shared
 // memory within the device's opt-in limit (fp32 tiles are twice the bytes: at dh = dv = 128
 // the dL' sweep takes 207 KiB, which sm_90 holds and sm_80 does not), grids within CUDA's
 // limits.
@@ -362,7 +364,10 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
     auto kp = &dcmha_attn_sweep<T, true>;
     auto k_post = &dcmha_attn_bwd_sweep<T, false>;
     auto k_pre = &dcmha_attn_bwd_sweep<T, true>;
-    auto k_rowsum = rs_heads == 2 ? &dcmha_attn_bwd_rows<T, false, 4, 2> : &dcmha_attn_bwd_rows<T, false, 4, 1>;
+    auto k_rowsum = &dcmha_attn_bwd_rows<T, false, 4, 1>;
+    if constexpr (!std::is_same<T, float>::value) {  // fp32 takes one head a CTA (rowsum_heads)
+      if (rs_heads == 2) k_rowsum = &dcmha_attn_bwd_rows<T, false, 4, 2>;
+    }
     auto k_dq = dh_pad <= 32 ? &dcmha_attn_bwd_rows<T, true, 4, 1> : &dcmha_attn_bwd_rows<T, true, 16, 1>;
     auto k_keys = std::max(dh_pad, dv_pad) <= 32 ? &dcmha_attn_bwd_keys<T, 2> : &dcmha_attn_bwd_keys<T, 8>;
     const char* op = "dcmha_attention_backward";

@@ -8,6 +8,7 @@ functions use ``headwise``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -237,15 +238,34 @@ def _register_dcmha(ns: str) -> None:
         ctx.save_for_backward(q, k, v, w1, w2, g, stats)
         ctx.args = (causal, window, scale, head_groups)
         ctx.mark_non_differentiable(stats)
+        # torch's TF32 setting as the forward ran: the backward op reads it to take the path
+        # the forward took (fp32 on TF32 tensor cores, or at full precision), so that its
+        # logits are those the saved statistics normalize, whatever the setting is by then.
+        ctx.allow_tf32 = torch.backends.cuda.matmul.allow_tf32
 
     def attention_backward(ctx, grad_out, _grad_stats):
         q, k, v, w1, w2, g, stats = ctx.saved_tensors
-        grads = getattr(torch.ops, ns).dcmha_attention_backward(
-            grad_out.to(q.dtype).contiguous(), q, k, v, w1, w2, g, stats, *ctx.args
-        )
+        with _matmul_allow_tf32(ctx.allow_tf32):
+            grads = getattr(torch.ops, ns).dcmha_attention_backward(
+                grad_out.to(q.dtype).contiguous(), q, k, v, w1, w2, g, stats, *ctx.args
+            )
         return (*grads, None, None, None, None)
 
     torch.library.register_autograd(attention, attention_backward, setup_context=attention_setup)
+
+
+@contextlib.contextmanager
+def _matmul_allow_tf32(flag: bool):
+    """torch.backends.cuda.matmul.allow_tf32 = flag within the block (untouched where it is)."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    if previous == flag:
+        yield
+        return
+    torch.backends.cuda.matmul.allow_tf32 = flag
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def dcmha_weights(x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor, dd: torch.Tensor):

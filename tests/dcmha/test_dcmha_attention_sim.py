@@ -574,3 +574,29 @@ def test_sim_tf32_backward_query_chunks(allow_tf32, monkeypatch):
         assert rel_err(y.double(), r) <= TF32_TOL, name
         if name in ("out", "grad q"):
             assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("forward_tf32", [True, False], ids=["tf32-forward", "full-forward"])
+def test_sim_backward_follows_the_forwards_tf32_setting(forward_tf32):
+    # The TF32 setting changed between forward and backward: the autograd wrapper runs the
+    # backward op under the forward's setting (the path whose logits the saved statistics
+    # normalize), bitwise the gradients of an unchanged setting, and leaves the user's
+    # setting as it found it.
+    (q, k, v), w = _mma_inputs(1, 4, 37, 16, 8, torch.float32)
+    grad = torch.randn(1, 4, 37, 8, generator=torch.Generator().manual_seed(7))
+    previous = torch.backends.cuda.matmul.allow_tf32
+
+    def grads(backward_tf32):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, *w)]
+        try:
+            torch.backends.cuda.matmul.allow_tf32 = forward_tf32
+            out = SIM.dcmha_attention(*leaves[:3], DCMHAWeights(*leaves[3:]))
+            torch.backends.cuda.matmul.allow_tf32 = backward_tf32
+            out.backward(grad)
+            assert torch.backends.cuda.matmul.allow_tf32 == backward_tf32
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+        return [x.grad for x in leaves]
+
+    for name, x, y in zip(NAMES[1:], grads(forward_tf32), grads(not forward_tf32)):
+        assert torch.equal(x, y), name
