@@ -843,10 +843,14 @@ HW_UNROLL
 HW_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int at = (slab * 16 + gq + 8 * h) * kGradPitch + c_half + j * 8 + 2 * tq;
-        if constexpr (std::is_same<T, float>::value) {
-          const float2 x{pp[2 * h], pp[2 * h + 1]}, y{dl[2 * h], dl[2 * h + 1]};
-          *reinterpret_cast<float2*>(ppt + at) = x;
-          *reinterpret_cast<float2*>(dlt + at) = y;
+        if constexpr (std::is_same<T, float>::value) {  // one 8-byte store each (conflict-free at pitch 40)
+          hw::Pack<float, 2> x, y;
+          x.v[0] = pp[2 * h];
+          x.v[1] = pp[2 * h + 1];
+          y.v[0] = dl[2 * h];
+          y.v[1] = dl[2 * h + 1];
+          hw::store_pack<float, 2>(ppt + at, x);
+          hw::store_pack<float, 2>(dlt + at, y);
         } else {
           *reinterpret_cast<uint32_t*>(ppt + at) = pack2<T>(pp[2 * h], pp[2 * h + 1]);
           *reinterpret_cast<uint32_t*>(dlt + at) = pack2<T>(dl[2 * h], dl[2 * h + 1]);

@@ -479,11 +479,11 @@ HW_UNROLL
 // The pair-order A fragment of tf32_pair_step from smem: (a0, a2) at p (row g: k 2 tq, 2 tq + 1
 // of the step) and (a1, a3) at p + row8 (row g + 8), 8-byte loads.
 __device__ __forceinline__ void tf32_pair_a(uint32_t (&fa)[4], const float* p, int row8) {
-  const float2 lo = *reinterpret_cast<const float2*>(p), hi = *reinterpret_cast<const float2*>(p + row8);
-  fa[0] = __float_as_uint(lo.x);
-  fa[1] = __float_as_uint(hi.x);
-  fa[2] = __float_as_uint(lo.y);
-  fa[3] = __float_as_uint(hi.y);
+  const hw::Pack<float, 2> lo = hw::load_pack<float, 2>(p), hi = hw::load_pack<float, 2>(p + row8);
+  fa[0] = __float_as_uint(lo.v[0]);
+  fa[1] = __float_as_uint(hi.v[0]);
+  fa[2] = __float_as_uint(lo.v[1]);
+  fa[3] = __float_as_uint(hi.v[1]);
 }
 
 // o[j] += A B for the warp's 16 rows: A = the warp's 16 x 32 accumulator fragment acc packed
