@@ -304,10 +304,13 @@ def test_sim_tensor_core_error_is_within_a_small_factor_of_the_eager_reference(b
         assert err <= 4 * floor, f"{name}: {err:.3g} against the eager reference's {floor:.3g}"
 
 
-def test_sim_tensor_core_backward_runs_on_mma_with_coalesced_accesses():
-    """The bf16 backward takes the tensor-core kernels (not the SIMT ones), each of its
-    product kernels issues mma.sync, and every kernel's global loads and stores are within
-    1.1x of the ideal sectors per request."""
+@pytest.mark.parametrize("dtype,tf32", [(torch.bfloat16, False), (torch.float32, True), (torch.float32, False)],
+                         ids=["bf16", "fp32-tf32", "fp32-highest"])
+def test_sim_backward_runs_on_mma_with_coalesced_accesses(dtype, tf32):
+    """The bf16 backward, and the fp32 one with TF32 allowed, take the tensor-core kernels
+    (not the SIMT ones), each of their product kernels issues mma.sync, and every kernel's
+    global loads and stores are within 1.1x of the ideal sectors per request; fp32 at full
+    precision takes the SIMT pair."""
     import importlib.util
 
     if importlib.util.find_spec("headwise._sim_profile") is None:
@@ -316,13 +319,22 @@ def test_sim_tensor_core_backward_runs_on_mma_with_coalesced_accesses():
     from headwise.testing import profiled_launches
 
     ops = load_profile_library()
-    (got, want), recs = profiled_launches(
-        lambda: _mma_backward_case(ops.dcmha_attention, 1, 2, 128, 64, 64, {}, torch.bfloat16))
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        (got, want), recs = profiled_launches(
+            lambda: _mma_backward_case(ops.dcmha_attention, 1, 2, 128, 64, 64, {}, dtype))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    tol = MMA_BWD_TOL[dtype] if dtype != torch.float32 else TF32_TOL if tf32 else 1e-5
     for name, x, y in zip(NAMES[1:], got[1:], want[1:]):
-        assert rel_err(x.double(), y) <= MMA_BWD_TOL[torch.bfloat16], name
+        assert rel_err(x.double(), y) <= tol, name
     names = {r["kernel"] for r in recs}
-    assert TC_BACKWARD_KERNELS <= names, names
-    assert not names & {"dcmha_attention_bwd_query", "dcmha_attention_bwd_key"}
+    simt = {"dcmha_attention_bwd_query", "dcmha_attention_bwd_key"}
+    if dtype == torch.float32 and not tf32:
+        assert simt <= names and not names & TC_BACKWARD_KERNELS, names
+        return
+    assert TC_BACKWARD_KERNELS <= names and not names & simt, names
     for r in recs:
         if r["kernel"] in TC_BACKWARD_KERNELS - TC_BACKWARD_NO_MMA:
             assert r["mma"] > 0, r["kernel"]
@@ -331,21 +343,23 @@ def test_sim_tensor_core_backward_runs_on_mma_with_coalesced_accesses():
                 assert r[kind] <= 1.1 * r[kind + "_ideal"], (r["kernel"], kind, r[kind], r[kind + "_ideal"])
 
 
-@pytest.mark.parametrize("case", [(1, 4, 150, 16, 16, dict(window=90)),
-                                  (2, 4, 131, 8, 8, dict(causal=False, head_groups=2)),
-                                  (1, 2, 129, 24, 40, dict(causal=False, window=40))], ids=str)
-def test_sim_tensor_core_backward_query_chunks(monkeypatch, case):
+@pytest.mark.parametrize("case", [(1, 4, 150, 16, 16, dict(window=90), torch.bfloat16),
+                                  (2, 4, 131, 8, 8, dict(causal=False, head_groups=2), torch.bfloat16),
+                                  (1, 2, 129, 24, 40, dict(causal=False, window=40), torch.bfloat16),
+                                  (1, 4, 150, 16, 16, dict(window=90), torch.float32)], ids=str)
+def test_sim_tensor_core_backward_query_chunks(allow_tf32, monkeypatch, case):
     # 64-row query chunks (a scratch cap of 1 byte): dk, dv and the key-slot grads become
     # sums over the chunks (another order than one chunk's), the rest is the same
-    # arithmetic; both agree with the reference and each is bitwise repeatable.
-    case = (*case, torch.bfloat16)
+    # arithmetic; both agree with the reference and each is bitwise repeatable. fp32 under
+    # TF32 (the tensor-core path at T = float).
+    tol = TF32_TOL if case[-1] == torch.float32 else MMA_BWD_TOL[case[-1]]
     whole, want = _mma_backward_case(SIM.dcmha_attention, *case)
     monkeypatch.setenv("HEADWISE_DCMHA_SCRATCH_BYTES", "1")
     chunked, _ = _mma_backward_case(SIM.dcmha_attention, *case)
     again, _ = _mma_backward_case(SIM.dcmha_attention, *case)
     for name, x, y, z, r in zip(NAMES, whole, chunked, again, want):
         assert torch.equal(y, z), name
-        assert rel_err(y.double(), r) <= MMA_BWD_TOL[torch.bfloat16], name
+        assert rel_err(y.double(), r) <= tol, name
         if name in ("out", "grad q"):
             assert torch.equal(x, y), name
 
@@ -515,42 +529,6 @@ def test_sim_tf32_backward_matches_reference(allow_tf32, b, h, t, dh, dv, kw):
     assert [x.dtype for x in got[1:4]] == [torch.float32] * 3
 
 
-@pytest.mark.parametrize("tf32", [False, True], ids=["highest", "tf32"])
-def test_sim_fp32_backward_takes_tensor_cores_only_after_a_tf32_forward(tf32):
-    """With TF32 allowed the fp32 backward runs the tensor-core kernels, each product kernel
-    issuing mma.sync and every kernel's global loads and stores within 1.1x of the ideal
-    sectors a request; at full precision the SIMT pair."""
-    import importlib.util
-
-    if importlib.util.find_spec("headwise._sim_profile") is None:
-        pytest.skip("headwise._sim_profile not built")
-    from headwise.ops import load_profile_library
-    from headwise.testing import profiled_launches
-
-    ops = load_profile_library()
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    try:
-        (got, want), recs = profiled_launches(
-            lambda: _mma_backward_case(ops.dcmha_attention, 1, 2, 128, 64, 64, {}, torch.float32))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
-    for name, x, y in zip(NAMES[1:], got[1:], want[1:]):
-        assert rel_err(x.double(), y) <= (TF32_TOL if tf32 else 1e-5), name
-    names = {r["kernel"] for r in recs}
-    if not tf32:
-        assert {"dcmha_attention_bwd_query", "dcmha_attention_bwd_key"} <= names and not names & TC_BACKWARD_KERNELS
-        return
-    assert TC_BACKWARD_KERNELS <= names, names
-    assert not names & {"dcmha_attention_bwd_query", "dcmha_attention_bwd_key"}
-    for r in recs:
-        if r["kernel"] in TC_BACKWARD_KERNELS - TC_BACKWARD_NO_MMA:
-            assert r["mma"] > 0, r["kernel"]
-        if r["kernel"] in TC_BACKWARD_KERNELS:
-            for kind in ("global_load_sectors", "global_store_sectors"):
-                assert r[kind] <= 1.1 * r[kind + "_ideal"], (r["kernel"], kind, r[kind], r[kind + "_ideal"])
-
-
 def test_sim_tf32_backward_where_the_tensor_cores_do_not_fit(allow_tf32, monkeypatch):
     # fp32 tiles at dh = dv = 128 take 207 KiB in the dL' sweep: over sm_80's 163 KiB, so the
     # SIMT backward runs there, reading q, k, v truncated to TF32 as the forward's tensor cores
@@ -560,20 +538,6 @@ def test_sim_tf32_backward_where_the_tensor_cores_do_not_fit(allow_tf32, monkeyp
     for name, x, y in zip(NAMES, got, want):
         err = rel_err(x.double(), y)
         assert err <= TF32_TOL, f"{name}: relative error {err:.3g}"
-
-
-def test_sim_tf32_backward_query_chunks(allow_tf32, monkeypatch):
-    # 64-row query chunks: dq bitwise the one-chunk value, every gradient bitwise repeatable.
-    case = (1, 4, 150, 16, 16, dict(window=90), torch.float32)
-    whole, want = _mma_backward_case(SIM.dcmha_attention, *case)
-    monkeypatch.setenv("HEADWISE_DCMHA_SCRATCH_BYTES", "1")
-    chunked, _ = _mma_backward_case(SIM.dcmha_attention, *case)
-    again, _ = _mma_backward_case(SIM.dcmha_attention, *case)
-    for name, x, y, z, r in zip(NAMES, whole, chunked, again, want):
-        assert torch.equal(y, z), name
-        assert rel_err(y.double(), r) <= TF32_TOL, name
-        if name in ("out", "grad q"):
-            assert torch.equal(x, y), name
 
 
 @pytest.mark.parametrize("forward_tf32", [True, False], ids=["tf32-forward", "full-forward"])
