@@ -116,7 +116,7 @@ cd ..
 
 stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
 run_capped 90 "calibrate" $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
-  --estimates bench/sim_profile_h200_2026-12-05_dcmha_shared_words.json --json "$RES/calibration.json"
+  --estimates bench/sim_profile_h200_2026-12-05_dcmha_tf32.json --json "$RES/calibration.json"
 
 stage "ncu: the merge forward and grad_z, the MHAR forward, the DCMHA forward sweep (one launch each)"
 # MHAR measured at 16% of HBM and the DCMHA forward at 6x its estimate with no counters

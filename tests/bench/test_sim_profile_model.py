@@ -188,3 +188,9 @@ def test_issue_term_and_launch_instantiation(tmp_path):
     assert pick.issue_per_hmma == 5.5  # the 16-byte copies, not the worst (4-byte) instantiation
     assert launch_report(loaded, "head_merge_stats_tc", "bfloat16", key=lambda r: 0).issue_per_hmma == 6.0
     assert launch_report(loaded, "head_merge_fwd_tc", "float16", key=lambda r: 0) is None
+    # A (launch, dtype) entry overrides the launch's: fp32's rowsum runs one head a CTA.
+    rows = "void headwise::dcmha::dcmha_attn_bwd_rows<{}, false, 4, {}>(headwise::dcmha::MmaAttnBwdParams)"
+    reports = [sass.IssueReport(rows.format(t, h), per, 100, 32)
+               for t, h, per in (("c10::BFloat16", 2, 7.0), ("float", 1, 7.5), ("float", 2, 9.0))]
+    assert launch_report(reports, "dcmha_attn_bwd_rowsum", "bfloat16", key=lambda r: 0).issue_per_hmma == 7.0
+    assert launch_report(reports, "dcmha_attn_bwd_rowsum", "float32", key=lambda r: 0).issue_per_hmma == 7.5

@@ -2,7 +2,7 @@
 
 On a CUDA device: times each op of the emulator's profile table (headwise.bench.sim_profile)
 at the shape its H200 estimate is for, with the same inputs, and prints the ESTIMATE from
-the emulated memory counts (``bench/sim_profile_h200_2026-12-05_dcmha_shared_words.json``, written by
+the emulated memory counts (``bench/sim_profile_h200_2026-12-05_dcmha_tf32.json``, written by
 ``python -m headwise.bench --sim-profile --json ...``) beside the measured time, per op and
 phase. One lent GPU session thus calibrates the estimate's constants (HBM and L2 bandwidth,
 latency, the mma.sync ceiling): measured / estimate per bound tells which constant is off.
@@ -25,7 +25,7 @@ import torch
 
 from .sim_profile import OPS
 
-DEFAULT_ESTIMATES = Path(__file__).resolve().parents[3] / "bench" / "sim_profile_h200_2026-12-05_dcmha_shared_words.json"
+DEFAULT_ESTIMATES = Path(__file__).resolve().parents[3] / "bench" / "sim_profile_h200_2026-12-05_dcmha_tf32.json"
 
 
 def estimates_by_phase(targets: list[dict]) -> dict:

@@ -528,6 +528,8 @@ LAUNCH_FUNCTIONS = {
     "dcmha_attn_bwd_rowsum": ("dcmha_attn_bwd_rows", "false, 4, 2"),
     "dcmha_attn_bwd_dq": ("dcmha_attn_bwd_rows", "true, 16, 1"),
     "dcmha_attn_bwd_dkv": ("dcmha_attn_bwd_keys", "8"),
+    # fp32 (TF32) takes one head a rowsum CTA (rowsum_heads).
+    ("dcmha_attn_bwd_rowsum", "float32"): ("dcmha_attn_bwd_rows", "false, 4, 1"),
 }
 
 
@@ -535,7 +537,7 @@ def launch_report(reports: list, kernel: str, dtype: str, key):
     """The report (ptxas or sass) of a launch: its exact instantiation where
     LAUNCH_FUNCTIONS names it, else ptxas.lookup's choice by `key`."""
     if kernel in LAUNCH_FUNCTIONS:
-        fn, args = LAUNCH_FUNCTIONS[kernel]
+        fn, args = LAUNCH_FUNCTIONS.get((kernel, dtype)) or LAUNCH_FUNCTIONS[kernel]
         want = f"::{fn}<{ptxas.CPP_DTYPES.get(dtype, dtype)}, {args}>("
         return next((r for r in reports if want in r.function), None)
     return ptxas.lookup(reports, kernel, dtype, key=key)
@@ -635,7 +637,8 @@ def format_tables(targets: list[dict], gpu: GpuModel = H200) -> str:
         total = sum(r["est_us"] for r in rows)
         minb, minf = rows[0]["min_bytes"], rows[0]["min_flops"]
         floor_us = minb / gpu.hbm_bytes_per_s * 1e6
-        lines += [f"{op}  {spec.label(rows[0]['shape'])}  bf16   min bytes {minb / 1e6:.1f} MB, min FLOPs "
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(spec.dtype, spec.dtype)
+        lines += [f"{op}  {spec.label(rows[0]['shape'])}  {dtype}   min bytes {minb / 1e6:.1f} MB, min FLOPs "
                   f"{minf / 1e9:.1f} G; HBM floor {floor_us:.1f} us; estimate {total:.1f} us "
                   f"({100 * floor_us / total:.0f}% of HBM)", head]
         for r in rows:
