@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
+from .checkout import BENCH_DIR
 from .sim_profile import OPS
 
-DEFAULT_ESTIMATES = Path(__file__).resolve().parents[3] / "bench" / "sim_profile_h200_2026-12-05_dcmha_tf32.json"
+DEFAULT_ESTIMATES = BENCH_DIR / "sim_profile_h200_2026-12-05_dcmha_tf32.json"
 
 
 def estimates_by_phase(targets: list[dict]) -> dict:

@@ -50,12 +50,12 @@ tensors outside them at the HBM peak).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from .checkout import BENCH_DIR
 
 SMS = 132
 # The H200's measurement of SDPA flash (plain MHA, the target shape), issue 16's baseline.
-FLASH_MEASURED = (Path(__file__).resolve().parents[3] / "bench" / "h200_2026-11-30"
-                  / "targets_dcmha_backward.json")
+FLASH_MEASURED = BENCH_DIR / "h200_2026-11-30" / "targets_dcmha_backward.json"
 
 
 def makespan(works: list[float], slots: int, cap: float, sms: int = SMS) -> float:

@@ -24,8 +24,10 @@ import shutil
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-DEFAULT_DIR = os.path.join(REPO, "bench")
+from . import checkout
+
+REPO = str(checkout.ROOT)
+DEFAULT_DIR = str(checkout.BENCH_DIR)
 # C++ spellings of the kernel dtypes, as they appear in demangled template arguments.
 CPP_DTYPES = {"bfloat16": "c10::BFloat16", "float16": "c10::Half", "float32": "float"}
 
