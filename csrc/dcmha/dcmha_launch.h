@@ -277,8 +277,8 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
 
 // Whether the tensor-core backward takes this call: bf16 / fp16, or fp32 after a TF32
 // forward (forward_takes_tensor_cores: the same truncated operands; it reads torch's TF32
-// setting, which the autograd wrapper sets to the forward's around this op), dh and dv
-// padded to at most 128 (the dq / dk / dv accumulators of a warp's 16 rows), every kernel's shared
+// setting, which must be the forward's: the autograd wrapper raises where it changed), dh and
+// dv padded to at most 128 (the dq / dk / dv accumulators of a warp's 16 rows), every kernel's shared
 // memory within the device's opt-in limit (fp32 tiles are twice the bytes: at dh = dv = 128
 // the dL' sweep takes 207 KiB, which sm_90 holds and sm_80 does not), grids within CUDA's
 // limits.

@@ -8,7 +8,6 @@ functions use ``headwise``.
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -238,34 +237,31 @@ def _register_dcmha(ns: str) -> None:
         ctx.save_for_backward(q, k, v, w1, w2, g, stats)
         ctx.args = (causal, window, scale, head_groups)
         ctx.mark_non_differentiable(stats)
-        # torch's TF32 setting as the forward ran: the backward op reads it to take the path
-        # the forward took (fp32 on TF32 tensor cores, or at full precision), so that its
-        # logits are those the saved statistics normalize, whatever the setting is by then.
-        ctx.allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+        # fp32: torch's float32 matmul setting as the forward ran. The backward op reads the
+        # setting again to take the forward's path (TF32 tensor cores or full precision), whose
+        # logits the saved statistics normalize; a setting changed in between is an error.
+        ctx.fp32_precision = _cuda_fp32_matmul_precision() if q.dtype == torch.float32 else None
 
     def attention_backward(ctx, grad_out, _grad_stats):
         q, k, v, w1, w2, g, stats = ctx.saved_tensors
-        with _matmul_allow_tf32(ctx.allow_tf32):
-            grads = getattr(torch.ops, ns).dcmha_attention_backward(
-                grad_out.to(q.dtype).contiguous(), q, k, v, w1, w2, g, stats, *ctx.args
-            )
+        if ctx.fp32_precision is not None and _cuda_fp32_matmul_precision() != ctx.fp32_precision:
+            raise RuntimeError(
+                "headwise.dcmha_attention: torch's float32 matmul precision for CUDA changed between the forward "
+                f"({ctx.fp32_precision!r}) and the backward ({_cuda_fp32_matmul_precision()!r}); fp32 takes TF32 "
+                "tensor cores or full precision by it, and both passes must take the same")
+        grads = getattr(torch.ops, ns).dcmha_attention_backward(
+            grad_out.to(q.dtype).contiguous(), q, k, v, w1, w2, g, stats, *ctx.args
+        )
         return (*grads, None, None, None, None)
 
     torch.library.register_autograd(attention, attention_backward, setup_context=attention_setup)
 
 
-@contextlib.contextmanager
-def _matmul_allow_tf32(flag: bool):
-    """torch.backends.cuda.matmul.allow_tf32 = flag within the block (untouched where it is)."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    if previous == flag:
-        yield
-        return
-    torch.backends.cuda.matmul.allow_tf32 = flag
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+def _cuda_fp32_matmul_precision() -> Optional[str]:
+    """torch.backends.cuda.matmul.fp32_precision ("tf32", "ieee", "none": what
+    allow_tf32 and set_float32_matmul_precision set too), None on a torch without it. Read
+    through the new API: the legacy allow_tf32 raises once only the new one was set."""
+    return getattr(torch.backends.cuda.matmul, "fp32_precision", None)
 
 
 def dcmha_weights(x: torch.Tensor, dw1: torch.Tensor, qkw: torch.Tensor, dd: torch.Tensor):
@@ -569,7 +565,8 @@ class Ops:
         the weights are cast to the autocast dtype. On CUDA, fp32 follows torch's float32
         matmul precision as ``torch.matmul`` does: with TF32 allowed
         (``torch.backends.cuda.matmul.allow_tf32``, or a precision of "high") the products
-        run on TF32 tensor cores, forward and backward; otherwise at full precision."""
+        run on TF32 tensor cores, forward and backward; otherwise at full precision. Keep
+        that setting between a forward and its backward (a change raises)."""
         from .dcmha import check_weights
 
         w = check_weights(weights, "dcmha_attention")

@@ -541,26 +541,34 @@ def test_sim_tf32_backward_where_the_tensor_cores_do_not_fit(allow_tf32, monkeyp
 
 
 @pytest.mark.parametrize("forward_tf32", [True, False], ids=["tf32-forward", "full-forward"])
-def test_sim_backward_follows_the_forwards_tf32_setting(forward_tf32):
-    # The TF32 setting changed between forward and backward: the autograd wrapper runs the
-    # backward op under the forward's setting (the path whose logits the saved statistics
-    # normalize), bitwise the gradients of an unchanged setting, and leaves the user's
-    # setting as it found it.
+def test_sim_backward_refuses_a_tf32_setting_changed_since_the_forward(forward_tf32):
+    # fp32 takes TF32 tensor cores or full precision by torch's setting, and the backward must
+    # take the forward's path (its logits are those the saved statistics normalize): a setting
+    # changed between the passes is a named error, not gradients off by TF32's rounding.
     (q, k, v), w = _mma_inputs(1, 4, 37, 16, 8, torch.float32)
     grad = torch.randn(1, 4, 37, 8, generator=torch.Generator().manual_seed(7))
     previous = torch.backends.cuda.matmul.allow_tf32
-
-    def grads(backward_tf32):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v, *w)]
-        try:
-            torch.backends.cuda.matmul.allow_tf32 = forward_tf32
-            out = SIM.dcmha_attention(*leaves[:3], DCMHAWeights(*leaves[3:]))
-            torch.backends.cuda.matmul.allow_tf32 = backward_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = forward_tf32
+        out = SIM.dcmha_attention(*(x.requires_grad_() for x in (q, k, v)), w)
+        torch.backends.cuda.matmul.allow_tf32 = not forward_tf32
+        with pytest.raises(RuntimeError, match="float32 matmul precision for CUDA changed"):
             out.backward(grad)
-            assert torch.backends.cuda.matmul.allow_tf32 == backward_tf32
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = previous
-        return [x.grad for x in leaves]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
-    for name, x, y in zip(NAMES[1:], grads(forward_tf32), grads(not forward_tf32)):
-        assert torch.equal(x, y), name
+
+def test_sim_bf16_reads_no_tf32_setting():
+    # Only fp32 reads torch's TF32 setting: bf16 runs forward and backward under the new API's
+    # setting, whose legacy reading (allow_tf32) raises in torch.
+    (q, k, v), w = _mma_inputs(1, 2, 37, 16, 8, torch.bfloat16)
+    previous = torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+            torch.backends.cuda.matmul.allow_tf32
+        out = SIM.dcmha_attention(*(x.requires_grad_() for x in (q, k, v)), w)
+        out.backward(torch.ones_like(out))
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = previous
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))

@@ -7,7 +7,7 @@ the emulated memory counts (``bench/sim_profile_h200_2026-12-05_dcmha_tf32.json`
 phase. One lent GPU session thus calibrates the estimate's constants (HBM and L2 bandwidth,
 latency, the mma.sync ceiling): measured / estimate per bound tells which constant is off.
 Ops whose estimate exceeds ``--max-est-ms`` are skipped (today's DCMHA kernels take seconds);
-``op ...`` (keys of sim_profile.OPS: mhar, qkv, merge, dcmha_compose, dcmha) picks and
+``op ...`` (keys of sim_profile.OPS: mhar, qkv, merge, dcmha_compose, dcmha, dcmha_tf32) picks and
 orders the ops. The JSON is rewritten after every op, so a run stopped by a time limit
 keeps what it measured.
 """
