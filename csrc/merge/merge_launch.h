@@ -340,8 +340,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_merge)(
   const at::Tensor gate32 = gate_as_float(head_gate);
   const at::Tensor w = weight_o;  // rows stride-1 (checked); row stride = ldw
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const FwdPath path = fwd_path(library_gemm_paths(), z.scalar_type(), at::globalContext().allowTF32CuBLAS(),
-                                head_gate.has_value(), return_stats);
+  // torch's TF32 setting, read for fp32 only: torch raises on that read once only its newer
+  // fp32_precision API was set (transformers sets it), which bf16 / fp16 calls must not trip on.
+  const bool allow_tf32 = z.scalar_type() == at::kFloat && at::globalContext().allowTF32CuBLAS();
+  const FwdPath path = fwd_path(library_gemm_paths(), z.scalar_type(), allow_tf32, head_gate.has_value(), return_stats);
   if (path != FwdPath::kSimt) {
     if (path == FwdPath::kLibraryGemm) {
       const at::Tensor z2 = token_major(z, s);

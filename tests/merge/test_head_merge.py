@@ -726,6 +726,23 @@ def test_fp32_follows_torch_matmul_precision():
         assert 1e-5 < err <= 5e-3, (layout, err)
 
 
+def test_bf16_reads_no_tf32_setting():
+    """Only fp32 reads torch's TF32 setting: bf16 merges under the newer fp32_precision API's
+    setting, whose legacy reading (what allowTF32CuBLAS checks) raises in torch."""
+    sim = headwise.testing.backend("sim")
+    z = make_tc_z(1, 3, 37, 40, "bqhd_view", torch.bfloat16)
+    w, bias = make_params(3, 40, 24, torch.bfloat16)
+    previous = torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+            torch.backends.cuda.matmul.allow_tf32
+        out = sim.head_merge(z, w, bias)
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = previous
+    assert rel_err(out.double(), merge64(z, w, bias, None, False)) <= 1e-2
+
+
 def test_tensor_core_forward_metrics():
     """Every product on mma.sync (one m16n8k16 per 16x8x16 of each open head's 128x128 tile,
     none for a closed head), global loads at the ideal sectors per request and
