@@ -132,17 +132,12 @@ def test_the_library_ops_leave_dk_and_dv_to_the_key_kernel():
 def test_the_targets_table_reads_the_profile_and_the_measured_flash_time(tmp_path):
     import json
 
-    from pathlib import Path
-
     from headwise.bench.calibrate import DEFAULT_ESTIMATES
 
-    # The profile committed in the repository's bench/ (the installed package's
-    # DEFAULT_ESTIMATES points into site-packages, where there is none).
-    estimates = Path(__file__).resolve().parents[2] / "bench" / DEFAULT_ESTIMATES.name
     flash = tmp_path / "targets.json"
     flash.write_text(json.dumps({"rows": [{"target": "dcmha forward + backward", "ms": 1.0,
                                            "baseline": "SDPA flash forward + backward", "baseline_ms": 10.0}]}))
-    lines = lb.targets_table(str(estimates), flash_json=str(flash))
+    lines = lb.targets_table(str(DEFAULT_ESTIMATES), flash_json=str(flash))
     text = "\n".join(lines)
     assert "4x SDPA flash fwd + bwd (MEASURED x 4)" in text and "40.00" in text
     assert "DCFormer formulation, floor" in text

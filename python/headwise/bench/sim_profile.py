@@ -331,11 +331,13 @@ def _compose_run(ops, s, take, device="cpu"):
     return {"fwd": fwd, "bwd": take()}
 
 
-def _attention_run(ops, s, take, device="cpu"):
+def _attention_run(ops, s, take, device="cpu", dtype=torch.bfloat16):
+    import headwise
+
     gen = _gen()
-    q, k, v = (_leaf(_randn(gen, s["B"], s["H"], s["T"], s["dh"]), device) for _ in range(3))
-    weights = _dcmha_weights(s, gen, device)
-    grad = _randn(gen, s["B"], s["H"], s["T"], s["dh"]).to(device)
+    q, k, v = (_leaf(_randn(gen, s["B"], s["H"], s["T"], s["dh"]).to(dtype), device) for _ in range(3))
+    weights = headwise.DCMHAWeights(*(_leaf(x.detach().to(dtype), device) for x in _dcmha_weights(s, gen, device)))
+    grad = _randn(gen, s["B"], s["H"], s["T"], s["dh"]).to(device=device, dtype=dtype)
     take()
     out = ops.dcmha_attention(q, k, v, weights)
     fwd = take()
@@ -345,21 +347,11 @@ def _attention_run(ops, s, take, device="cpu"):
 
 def _attention_tf32_run(ops, s, take, device="cpu"):
     """fp32 inputs with TF32 allowed: the tensor-core kernels at T = float, forward and
-    backward."""
-    import headwise
-
-    gen = _gen()
-    q, k, v = (_leaf(_randn(gen, s["B"], s["H"], s["T"], s["dh"]).float(), device) for _ in range(3))
-    weights = headwise.DCMHAWeights(*(_leaf(x.detach().float(), device) for x in _dcmha_weights(s, gen, device)))
-    grad = _randn(gen, s["B"], s["H"], s["T"], s["dh"]).float().to(device)
+    backward, on _attention_run's values."""
     previous = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        take()
-        out = ops.dcmha_attention(q, k, v, weights)
-        fwd = take()
-        out.backward(grad)
-        return {"fwd": fwd, "bwd": take()}
+        return _attention_run(ops, s, take, device, dtype=torch.float32)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
 
@@ -449,15 +441,11 @@ OPS: dict[str, OpSpec] = {
         target=dict(B=8, H=32, T=4096, dh=128),
         basis=lambda s: [s["B"] * s["H"], s["B"] * s["H"] * s["T"], s["B"] * s["H"] * s["T"] ** 2],
         run=_attention_run, min_bytes=_attention_bytes, flops=_attention_flops),
-    "dcmha_tf32": OpSpec(
-        "dcmha_attention tf32",  # its own name: calibrate and the tables key phases by it
-        # The same shapes with fp32 inputs under allow_tf32: the kernels at T = float.
-        shapes=[dict(B=1, H=32, T=T, dh=128) for T in (64, 128, 192)],
-        target=dict(B=8, H=32, T=4096, dh=128),
-        basis=lambda s: [s["B"] * s["H"], s["B"] * s["H"] * s["T"], s["B"] * s["H"] * s["T"] ** 2],
-        run=_attention_tf32_run, min_bytes=lambda s: _attention_bytes(s, elem=4), flops=_attention_flops,
-        dtype="float32"),
 }
+# dcmha's shapes with fp32 inputs under allow_tf32 (the kernels at T = float), under its own
+# name: calibrate and the tables key phases by it.
+OPS["dcmha_tf32"] = dataclasses.replace(OPS["dcmha"], name="dcmha_attention tf32", run=_attention_tf32_run,
+                                        min_bytes=lambda s: _attention_bytes(s, elem=4), dtype="float32")
 
 
 # ---------------------------------------------------------------------------
