@@ -64,7 +64,7 @@
 // so 12 hg + 16 + 24 hg + 32 hg = 68 hg + 16 bytes a group (a load per head in every launch
 // would be 92 hg). L2 and shared memory bound the backward at dh <= 128 (bench/RESULTS.md).
 // No tensor scales with T S: the scratch is B G 8 chunk T words with chunk rows chosen
-// under kScratchBytes (256 MiB; 256 rows at B = 8, G = 1, T = 4096) but at least 64 (so
+// under kScratchBytes (512 MiB; 512 rows at B = 8, G = 1, T = 4096) but at least 64 (so
 // B G 2 KiB T where that is over the cap); dk, dv fp32 are O(B H T d), the tables O(B H T),
 // launch 3's split sums B H 3 6 chunk fp32 (0.8 MiB at the target).
 // Shared memory (the *_smem_bytes functions; ldq = dh_pad + 8, ldv = dv_pad + 8 elements), at

@@ -53,7 +53,8 @@
 // Kernels 1-3 run once per query chunk of `chunk` rows: the scratch is
 // B * G * 4 * chunk * T * 4 bytes, with chunk = a multiple of 64 chosen by the launcher so
 // the scratch and split_stats (B * H * 2 * ceil(T / 64) * 4 bytes a row) stay under
-// kScratchBytes (256 MiB) or it is 64 rows (the bound). No tensor of size T * S exists; the saved statistics are O(B H T).
+// kScratchBytes (512 MiB: 1024 rows at B = 8, G = 1, T = 4096) or it is 64 rows (the
+// bound). No tensor of size T * S exists; the saved statistics are O(B H T).
 //
 // Why this split: the heads of a group are coupled twice per (t, s) (pre and post compose)
 // and the post compose needs every head's final softmax statistics, so each (t, s) tile is
@@ -87,7 +88,7 @@
 // ldmatrix.trans moves 16-bit elements. The tensor core takes the operands' fp32 bits and
 // drops the low 13 mantissa bits, as torch's TF32 matmuls do. The scratch words are 64 bits
 // (two fp32 ranks, PartWordOf<float>): the partials keep fp32 as the reference computes them,
-// and the chunk halves under the same cap (256 rows at B = 8, H = 32, T = 4096). Per kept
+// and the chunk halves under the same cap (512 rows at B = 8, H = 32, T = 4096). Per kept
 // (t, s) the FLOPs are the bf16 kernels' at half the tensor-core rate of 16-bit operands, and
 // the tile bytes double: shared memory at dh = dv = 128 is 2 x 96 x 132 x 4 + ~5.4 KiB
 // + 0.5 KiB hg = 104.4 KiB + 0.5 KiB hg (120.4 KiB at hg = 32: one CTA per SM on sm_80 and
@@ -122,7 +123,13 @@ constexpr int kRowPitch = kTileRows + 1;      // smem pitch of a head's row weig
 constexpr int kColPitch = kTileKeys + 1;
 constexpr int kLoopFields = 7;                // sides 0-6: W1 r0 r1, W2 r0 r1, G of the pre slot; W1 r0 r1 of post
 constexpr int kOutFields = 6;                 // W2 r0 r1, G of the pre and post slots (one head)
-constexpr int64_t kScratchBytes = int64_t(256) << 20;
+// The cap of a call's rank-partial scratch (and of the forward's split_stats): memory
+// against launch tails. A larger chunk means fewer launches, each with more CTAs, so less
+// of the time goes to each launch's partly filled last wave: at the target (B = 8, H = 32,
+// T = 4096 causal bf16) 512 MiB gives 1024 / 512-row chunks (forward / backward) and
+// forward + backward ~1.04x its balanced time, 256 MiB 512 / 256 rows and ~1.07x
+// (python -m headwise.bench.launch_balance, an ESTIMATE).
+constexpr int64_t kScratchBytes = int64_t(512) << 20;
 
 struct MmaAttnParams {
   AttnParams f;

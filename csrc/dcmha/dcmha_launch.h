@@ -209,10 +209,11 @@ inline unsigned band_key_blocks(const AttnParams& p, int64_t c0, int64_t rows, i
 // statistics sweep (which stores a, b of the chunk in the scratch), its combine, the partials
 // sweep (c, d: one sweep over the heads a key tile where it would take two) and the output.
 // The chunk keeps the scratch (B G 4 words a (t, s)) and split_stats (B H 2 splits fp32 a
-// row) under the cap: 512 rows at B = 8, H = 32, T = 4096. The statistics CTAs take 64-key
+// row) under the cap: 1024 rows at B = 8, H = 32, T = 4096. The statistics CTAs take 64-key
 // splits (2 key tiles), so that a chunk's launch has CTAs enough however causal its band:
-// with 256-key splits the chunked launches spread ~1.43x their balanced time, with 64-key
-// ones ~1.10x (python -m headwise.bench.launch_balance). p holds the forward's pointers and shape.
+// with 256-key splits 512-row chunks' launches spread ~1.43x their balanced time, with
+// 64-key ones ~1.10x, and ~1.05x at 1024 rows (python -m headwise.bench.launch_balance).
+// p holds the forward's pointers and shape.
 inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& out, int dh_pad, int dv_pad) {
   const int64_t groups = p.H / p.hg;

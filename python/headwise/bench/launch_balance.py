@@ -21,22 +21,25 @@ at the target shape, B = 8, one group of H = 32 heads, T = 4096 causal, 64-row q
   256-row chunks a launch per 256-row query chunk, a CTA per (256-key split, tile, b)
   one launch     a CTA per (256-key split, tile, b) over all rows (what the launcher did
                  until the sweep stored the chunk's a, b for the partials sweep)
-  512 x 256      a launch per 512-row query chunk (the partials' scratch chunk), 256-key splits
-  512 x 64       the same with 64-key splits (what the launcher does now)
+  512 x 256      a launch per 512-row query chunk (the partials' scratch chunk under a
+                 256 MiB cap), 256-key splits
+  512 x 64       the same with 64-key splits (what the launcher does, per 1024-row chunk
+                 under its 512 MiB cap: forward_chunk_rows)
 - the partials sweep (2 CTAs per sm_90 SM), a launch per query chunk because its scratch
-  bounds the chunk under the 256 MiB cap: 256 rows while it was B G 8 chunk T fp32, 512
-  rows as B G 4 chunk T words (two bf16 / fp16 partials a word), with CTAs of 256-key
-  splits (before) or of one 32-key tile (now), and 1024-row chunks (a larger cap);
-- the backward's launches per 256-row query chunk (its scratch of 8 words a (t, s) under
-  the cap; 128 rows while they were 16 fp32 fields: `--backward-chunk 128`), each
+  bounds the chunk under the cap (SCRATCH_BYTES): 256 rows while it was B G 8 chunk T fp32
+  under 256 MiB, 512 rows as B G 4 chunk T words (two bf16 / fp16 partials a word), with
+  CTAs of 256-key splits (before) or of one 32-key tile (now), and 1024-row chunks (the
+  512 MiB cap);
+- the backward's launches per query chunk (its scratch of 8 words a (t, s) under the cap:
+  512 rows, backward_chunk_rows; `--backward-chunk 256` for the 256 MiB cap), each
   at its CTAs per SM from the emulator's profile JSON, weighted by the profile's estimate
   of the kernel (which spreads its work evenly): the sweeps (partials, dP', dL') with CTAs
   of 256-key splits (before) or of one key tile (tiles, now), the row kernels (rowsum, dq)
   a CTA per (query tile, head, b) over the band, the rowsum's band cut into 3 key splits
   (now) with their combine after it, the key kernel (dk and dv; two kernels in older
   profiles) a CTA per (64-key tile, head, b) over the chunk's 32-row query steps in its band;
-- the forward's launches per 512-row query chunk (its scratch of 4 words a (t, s) under the
-  cap), weighted by the profile's estimates like the backward's: the statistics sweep in
+- the forward's launches per query chunk (its scratch of 4 words a (t, s) under the cap:
+  1024 rows), weighted by the profile's estimates like the backward's: the statistics sweep in
   64-key splits, the partials sweep a key tile a CTA, the output kernel a CTA per
   (query tile, head, b) over the band.
 Last, issue 16's targets at that shape: the forward and backward estimates, evenly spread
@@ -54,8 +57,41 @@ import argparse
 from .checkout import BENCH_DIR
 
 SMS = 132
+# kScratchBytes (dcmha_attention_mma_kernel.cuh): the launcher's cap on a call's scratch.
+SCRATCH_BYTES = 512 << 20
+TILE_ROWS = 64  # kTileRows: query rows per CTA, the chunk's granularity
 # The H200's measurement of SDPA flash (plain MHA, the target shape), issue 16's baseline.
 FLASH_MEASURED = BENCH_DIR / "h200_2026-11-30" / "targets_dcmha_backward.json"
+
+
+def chunk_rows(seq: int, row_bytes: int, cap: int = SCRATCH_BYTES) -> int:
+    """Rows of a query chunk of a buffer of row_bytes a query row, as the launcher picks them
+    (chunk_rows_under_cap, dcmha_launch.h): a multiple of 64 under the cap, at least 64, at
+    most T rounded up to 64."""
+    tiles = -(-seq // TILE_ROWS)
+    return min(tiles, max(1, cap // (row_bytes * TILE_ROWS))) * TILE_ROWS
+
+
+def forward_chunk_rows(batch: int = 8, heads: int = 32, seq: int = 4096, groups: int = 1, word_bytes: int = 4,
+                       cap: int = SCRATCH_BYTES) -> int:
+    """The forward's query chunk (launch_mma_attention): its scratch of B G 4 words a (t, s)
+    (word_bytes 4, or 8 on the TF32 path) and its split statistics (B H 2 fp32 a 64-key split
+    and row) each under the cap."""
+    splits = -(-seq // 64)
+    return min(chunk_rows(seq, batch * groups * 4 * seq * word_bytes, cap),
+               chunk_rows(seq, batch * heads * 2 * splits * 4, cap))
+
+
+def backward_chunk_rows(batch: int = 8, seq: int = 4096, groups: int = 1, word_bytes: int = 4,
+                        cap: int = SCRATCH_BYTES) -> int:
+    """The backward's query chunk (launch_mma_attention_backward): its scratch of B G 8 words
+    a (t, s) under the cap."""
+    return chunk_rows(seq, batch * groups * 8 * seq * word_bytes, cap)
+
+
+# The launcher's chunks at the target shape (bf16): 1024 forward rows, 512 backward rows.
+FORWARD_CHUNK = forward_chunk_rows()
+BACKWARD_CHUNK = backward_chunk_rows()
 
 
 def makespan(works: list[float], slots: int, cap: float, sms: int = SMS) -> float:
@@ -160,7 +196,7 @@ ROWSUM_KEY_SPLITS = 3  # kRowsumKeySplits (dcmha_attention_mma_bwd_kernel.cuh)
 ROWSUM_HEADS = 2  # rowsum_heads(hg) at an even group size
 
 
-def backward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int = 256) -> dict[str, dict[str, list]]:
+def backward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int = BACKWARD_CHUNK) -> dict[str, dict[str, list]]:
     """Per backward kernel, its launches (one per query chunk): "before" with sweep CTAs of
     256-key splits and a rowsum CTA per query tile, "tiles" with sweep CTAs of one key tile,
     "splits" with those and the rowsum's tiles cut into ROWSUM_KEY_SPLITS key splits (its
@@ -184,7 +220,7 @@ def backward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int 
     return cases
 
 
-def forward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int = 512) -> dict[str, list[list[int]]]:
+def forward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int = FORWARD_CHUNK) -> dict[str, list[list[int]]]:
     """Per scheduled forward kernel, its launches (one per query chunk of `chunk` rows): the
     statistics sweep's CTAs of 64-key splits (kStatsSplitKeys), the partials sweep's of one
     32-key tile (kSweepSplitKeys), the output kernel's a CTA per (query tile, head, b) over
@@ -203,7 +239,7 @@ def span_ratio(launches: list[list[int]], slots: int, cap: float) -> float:
     return sum(makespan(w, slots, cap) for w in launches) / (work / SMS) if work else 0.0
 
 
-def backward_table(estimates: str, chunk: int = 256) -> list[str]:
+def backward_table(estimates: str, chunk: int = BACKWARD_CHUNK) -> list[str]:
     """The backward's kernels at their CTAs per SM (cap 1 / slots and 1), weighted by the
     profile's estimates of them."""
     est = {k: v for k, v in _phase_estimates(estimates, "bwd").items() if k in BACKWARD_KERNELS}
@@ -244,7 +280,7 @@ def scheduled_ms(est: dict[str, tuple[float, int]], cases: dict[str, list[list[i
     return even, capped[0], capped[1]
 
 
-def forward_table(estimates: str, chunk: int = 512) -> list[str]:
+def forward_table(estimates: str, chunk: int = FORWARD_CHUNK) -> list[str]:
     """The forward's scheduled kernels at their CTAs per SM (cap 1 / slots and 1), weighted
     by the profile's estimates of them."""
     est = _phase_estimates(estimates, "fwd")
@@ -281,7 +317,7 @@ def dcformer_floor_ms(batch: int = 8, heads: int = 32, seq: int = 4096, dh: int 
 
 
 def library_ms(batch: int = 8, heads: int = 32, seq: int = 4096, groups: int = 1, rank: int = 2, elem: int = 2,
-               backward_chunk: int = 256, hbm_bytes_per_s: float = 4.1e12) -> dict[str, float]:
+               backward_chunk: int = BACKWARD_CHUNK, hbm_bytes_per_s: float = 4.1e12) -> dict[str, float]:
     """HBM time of the ATen ops around the DCMHA tensor-core kernels (dcmha_launch.h), which
     the emulator's profile does not see: per call the weights (w1, w2 [B, T, 4, R, H], g
     [B, T, 4, H] in the inputs' dtype, `elem` bytes) read and written as fp32; the backward
@@ -310,7 +346,7 @@ def measured_flash_ms(path: str) -> float | None:
     return next((r["baseline_ms"] for r in rows if r["baseline"] == "SDPA flash forward + backward"), None)
 
 
-def targets_table(estimates: str, forward_chunk: int = 512, backward_chunk: int = 256,
+def targets_table(estimates: str, forward_chunk: int = FORWARD_CHUNK, backward_chunk: int = BACKWARD_CHUNK,
                   flash_json: str | None = None) -> list[str]:
     """Issue 16's targets at B=8 H=32 T=4096 dh=128 causal: forward + backward (evenly spread;
     scheduled at cap 1 / slots and cap 1) against 4x flash's measured forward + backward and
@@ -355,10 +391,10 @@ def main(argv: list[str] | None = None) -> int:
                                  description="How evenly the DCMHA launches fill an H200 (an ESTIMATE).")
     ap.add_argument("--estimates", default=str(DEFAULT_ESTIMATES),
                     help="the --sim-profile JSON whose backward kernels' estimates and CTAs per SM weight the table")
-    ap.add_argument("--backward-chunk", type=int, default=256,
-                    help="query rows of a backward chunk (256: the launcher's at the target shape)")
-    ap.add_argument("--forward-chunk", type=int, default=512,
-                    help="query rows of a forward chunk (512: the launcher's at the target shape)")
+    ap.add_argument("--backward-chunk", type=int, default=BACKWARD_CHUNK,
+                    help=f"query rows of a backward chunk ({BACKWARD_CHUNK}: the launcher's at the target shape)")
+    ap.add_argument("--forward-chunk", type=int, default=FORWARD_CHUNK,
+                    help=f"query rows of a forward chunk ({FORWARD_CHUNK}: the launcher's at the target shape)")
     ap.add_argument("--flash-json", default=str(FLASH_MEASURED),
                     help="a lent GPU's `bench.targets dcmha-backward` JSON (SDPA flash's measured time)")
     args = ap.parse_args(argv)
