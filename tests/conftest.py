@@ -23,3 +23,24 @@ def backend(request):
 def host_backend(request):
     """Backends that run on this machine's CPU (for tests that count bytes or threads)."""
     return testing.backend(request.param)
+
+
+@pytest.fixture
+def fp32_precision_state():
+    """A function that puts torch's float32 precision settings back as they were when the
+    test began, called again after the test: the legacy ones (allow_tf32, the float32
+    matmul precision) first, then the newer fp32_precision API's, so that both read as
+    before (a state that only one of them set makes the other's reads raise in torch)."""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision API")
+    new = (torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
+    legacy = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
+
+    def restore():
+        torch.backends.fp32_precision = torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.set_float32_matmul_precision(legacy[0])
+        torch.backends.cuda.matmul.allow_tf32 = legacy[1]
+        torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = new
+
+    yield restore
+    restore()

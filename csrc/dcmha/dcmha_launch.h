@@ -7,6 +7,7 @@
 #include "../common/dispatch.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
+#include "../common/tf32_policy.h"
 #include "dcmha_args.h"
 #include "dcmha_attention_bwd_kernel.cuh"
 #include "dcmha_attention_kernel.cuh"
@@ -144,9 +145,8 @@ inline int64_t query_chunk_rows(const AttnParams& p, int64_t words, int64_t word
 }
 
 // Whether fp32 inputs may take the tensor cores as TF32: where torch lets its own float32
-// matmuls use TF32 (torch.backends.cuda.matmul.allow_tf32, or a float32 matmul precision
-// of "high" / "medium"), as the head merge decides (merge_launch.h).
-inline bool tf32_allowed() { return at::globalContext().allowTF32CuBLAS(); }
+// matmuls use TF32 (hw::cuda_matmul_allows_tf32), as the head merge decides (merge_launch.h).
+inline bool tf32_allowed() { return hw::cuda_matmul_allows_tf32(); }
 
 // Whether the forward takes the tensor-core kernels (dcmha_attention_mma_kernel.cuh): bf16 /
 // fp16, and fp32 where torch allows TF32 matmuls, with dv <= 128, where their shared memory

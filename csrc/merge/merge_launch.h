@@ -8,6 +8,7 @@
 #include "../common/dispatch.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
+#include "../common/tf32_policy.h"
 #include "merge_args.h"
 #include "merge_kernel.cuh"
 #include "merge_ops.h"
@@ -298,8 +299,9 @@ void launch_bwd_tc(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& 
 //                 The plain merge has no head to skip and no statistic, so the hand kernel
 //                 could only match cuBLAS (which uses wgmma on sm_90, mma.sync cannot).
 //   kTensorCore   bf16/f16, or fp32 without stats when torch lets matmuls use TF32
-//                 (torch.backends.cuda.matmul.allow_tf32 / float32 matmul precision below
-//                 "highest"): head_merge_fwd_tc_kernel (merge_tc_kernel.cuh).
+//                 (hw::cuda_matmul_allows_tf32: fp32_precision "tf32", allow_tf32, or a
+//                 float32 matmul precision below "highest"): head_merge_fwd_tc_kernel
+//                 (merge_tc_kernel.cuh).
 //   kSimt         fp32 in full precision, and fp32 with stats: head_merge_fwd_kernel.
 // bf16/f16 stats come from a second tensor-core pass beside either of the first two paths
 // (launch_stats_tc), never from the SIMT kernel.
@@ -340,9 +342,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_merge)(
   const at::Tensor gate32 = gate_as_float(head_gate);
   const at::Tensor w = weight_o;  // rows stride-1 (checked); row stride = ldw
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  // torch's TF32 setting, read for fp32 only: torch raises on that read once only its newer
-  // fp32_precision API was set (transformers sets it), which bf16 / fp16 calls must not trip on.
-  const bool allow_tf32 = z.scalar_type() == at::kFloat && at::globalContext().allowTF32CuBLAS();
+  // torch's TF32 setting matters for fp32 only.
+  const bool allow_tf32 = z.scalar_type() == at::kFloat && hw::cuda_matmul_allows_tf32();
   const FwdPath path = fwd_path(library_gemm_paths(), z.scalar_type(), allow_tf32, head_gate.has_value(), return_stats);
   if (path != FwdPath::kSimt) {
     if (path == FwdPath::kLibraryGemm) {

@@ -80,3 +80,18 @@ def profiled_launches(run):
     finally:
         lib.sim_profile_enable(False)
     return result, json.loads(lib.sim_profile_take())
+
+
+# Every way torch sets its float32 matmul precision for CUDA, and whether it means TF32
+# there (torch's cuBLAS calls take TF32 exactly then). Tests apply one under the
+# fp32_precision_state fixture (tests/conftest.py), which restores torch's state.
+FP32_MATMUL_SETTINGS = {
+    "legacy allow_tf32": (lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True), True),
+    "legacy allow_tf32 off": (lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", False), False),
+    "matmul precision high": (lambda: torch.set_float32_matmul_precision("high"), True),
+    "matmul precision highest": (lambda: torch.set_float32_matmul_precision("highest"), False),
+    "cuda matmul fp32_precision tf32": (lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"), True),
+    "cuda matmul fp32_precision ieee": (lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "ieee"), False),
+    "generic fp32_precision tf32": (lambda: (setattr(torch.backends.cuda.matmul, "fp32_precision", "none"),
+                                            setattr(torch.backends, "fp32_precision", "tf32")), True),
+}

@@ -6,7 +6,7 @@ import torch
 
 import headwise
 from headwise import DCMHAWeights, reference
-from headwise.testing import rel_err
+from headwise.testing import FP32_MATMUL_SETTINGS, rel_err
 
 from dcmha_helpers import make_weights
 
@@ -572,3 +572,30 @@ def test_sim_bf16_reads_no_tf32_setting():
     finally:
         torch.backends.cuda.matmul.fp32_precision = previous
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+@pytest.mark.parametrize("setting", sorted(FP32_MATMUL_SETTINGS))
+def test_sim_fp32_follows_every_way_torch_sets_its_matmul_precision(fp32_precision_state, setting):
+    # The launcher reads the setting as torch's cuBLAS calls read it, so fp32 takes TF32
+    # tensor cores under each API that selects TF32 (the legacy getter, which raises after
+    # the newer API was used, is not read), forward and backward, with the same bits as
+    # under allow_tf32; the others keep full precision.
+    (q, k, v), w = _mma_inputs(1, 2, 37, 16, 8, torch.float32)
+    grad = torch.randn(1, 2, 37, 8, generator=torch.Generator().manual_seed(5))
+
+    def run():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = SIM.dcmha_attention(*leaves, w)
+        out.backward(grad)
+        return [out.detach()] + [x.grad for x in leaves]
+
+    apply, tf32 = FP32_MATMUL_SETTINGS[setting]
+    torch.backends.cuda.matmul.allow_tf32 = not tf32
+    other = run()
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    want = run()
+    assert not torch.equal(other[0], want[0])
+    fp32_precision_state()  # torch's default state, as a process starts
+    apply()
+    got = run()
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), setting

@@ -5,7 +5,7 @@ import torch
 
 import headwise
 from headwise import reference
-from headwise.testing import profiled_launches, rel_err, with_one_and_many_threads
+from headwise.testing import FP32_MATMUL_SETTINGS, profiled_launches, rel_err, with_one_and_many_threads
 
 FP32_TOL = 1e-5
 
@@ -741,6 +741,26 @@ def test_bf16_reads_no_tf32_setting():
     finally:
         torch.backends.cuda.matmul.fp32_precision = previous
     assert rel_err(out.double(), merge64(z, w, bias, None, False)) <= 1e-2
+
+
+@pytest.mark.parametrize("setting", sorted(FP32_MATMUL_SETTINGS))
+def test_fp32_follows_every_way_torch_sets_its_matmul_precision(fp32_precision_state, setting):
+    """fp32 takes TF32 tensor cores under each API that selects TF32, with the bits of
+    allow_tf32 (the legacy getter, which raises after the newer API was used, is not read),
+    and full precision under the others."""
+    sim = headwise.testing.backend("sim")
+    z = make_tc_z(2, 3, 37, 40, "bqhd_view", torch.float32)
+    w, bias = make_params(3, 40, 24)
+    gate = make_gate("soft", 2, 3)
+    apply, tf32 = FP32_MATMUL_SETTINGS[setting]
+    torch.backends.cuda.matmul.allow_tf32 = not tf32
+    other = sim.head_merge(z, w, bias, head_gate=gate)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    want = sim.head_merge(z, w, bias, head_gate=gate)
+    assert not torch.equal(other, want)
+    fp32_precision_state()  # torch's default state, as a process starts
+    apply()
+    assert torch.equal(sim.head_merge(z, w, bias, head_gate=gate), want), setting
 
 
 def test_tensor_core_forward_metrics():
