@@ -118,12 +118,14 @@ stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
 run_capped 90 "calibrate" $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
   --estimates bench/sim_profile_h200_2026-12-05_dcmha_tf32.json --json "$RES/calibration.json"
 
-stage "ncu: the merge forward and grad_z, the MHAR forward, the DCMHA forward sweep (one launch each)"
+stage "ncu: the merge forward and grad_z, the MHAR forward, the DCMHA forward sweeps and output kernel (one launch each)"
 # MHAR measured at 16% of HBM and the DCMHA forward at 6x its estimate with no counters
 # read: SpeedOfLight, the memory tables, occupancy and the warp-state (stall) sections
-# say what bounds them.
+# say what bounds them. The L2 hit rate checks the DCMHA output kernel's heads-fastest grid
+# (its heads of a query tile share the scratch partials: bench/RESULTS.md, 2026-12-06).
 run_capped 60 "ncu" ncu --clock-control none \
-  --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc|mhar_route_fwd_kernel|dcmha_attn_sweep" --launch-count 4 \
+  --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc|mhar_route_fwd_kernel|dcmha_attn_sweep|dcmha_attn_output" \
+  --launch-count 6 --metrics lts__t_sector_hit_rate.pct \
   --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section Occupancy --section WarpStateStats \
   $PY -c "
 import torch, headwise
@@ -138,7 +140,7 @@ q, k, v, dw, _ = _dcmha_inputs({'b': 1, 'h': 32, 't': 2048, 'dh': 128}, torch.de
 with torch.no_grad():
     headwise.dcmha_attention(q, k, v, dw)
 torch.cuda.synchronize()" > "$RES/ncu.txt" 2>&1
-grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Compute \(SM\)|Issue Slot|Stall" "$RES/ncu.txt" | head -60
+grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Compute \(SM\)|Issue Slot|Stall|lts__t_sector_hit_rate" "$RES/ncu.txt" | head -80
 
 stage "GPU benchmarks (eager, torch.compile, headwise)"
 run_capped 90 "bench merge" $PY -m headwise.bench merge --device cuda --repeats 20 --json "$RES/bench_merge.json"

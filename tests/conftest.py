@@ -33,14 +33,18 @@ def fp32_precision_state():
     before (a state that only one of them set makes the other's reads raise in torch)."""
     if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         pytest.skip("this torch has no fp32_precision API")
-    new = (torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
+    # The newer API's settings that the legacy setters write: set_float32_matmul_precision
+    # writes oneDNN's matmul precision too.
+    new = (torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision,
+           torch.backends.mkldnn.matmul.fp32_precision)
     legacy = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
 
     def restore():
         torch.backends.fp32_precision = torch.backends.cuda.matmul.fp32_precision = "none"
         torch.set_float32_matmul_precision(legacy[0])
         torch.backends.cuda.matmul.allow_tf32 = legacy[1]
-        torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = new
+        (torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision,
+         torch.backends.mkldnn.matmul.fp32_precision) = new
 
     yield restore
     restore()

@@ -23,19 +23,19 @@
 //   1. dcmha_attn_partials (the forward's kernel): a, b, c, d of the chunk.
 //   2. dcmha_attn_bwd_sweep<Pre = false>: CTA per (32-key tile, 64-row query tile, b G);
 //      per key tile and head dP' = dO V^T on mma, dc and dd summed over the group's heads.
-//   3. dcmha_attn_bwd_rows<Dq = false>: CTA per (key split, query tile, head, b), the
+//   3. dcmha_attn_bwd_rows<Dq = false>: CTA per (heads, key split, query tile, b), the
 //      tile's key band cut into kRowsumKeySplits runs of key tiles; per key tile S and
 //      dP' on mma, P and dP on the fragments: D and the slot-2 weight grads of the run,
 //      reduced over its keys in registers then across the quad (fixed order), stored per
 //      split. dcmha_attn_bwd_rowsum_combine adds the splits in split order: D goes to the
 //      weights table (field kFieldD), which the later launches read like the other row
-//      fields, the grads to the grads table. (One CTA per tile made 512 CTAs a launch at
-//      the target shape: 1.3 waves on sm_90's 396 slots; the splits make 3.9.)
+//      fields, the grads to the grads table. (The splits give a launch three times the
+//      CTAs of one per tile, which left its last wave mostly empty.)
 //   4. dcmha_attn_bwd_sweep<Pre = true>: S and dP' per head, dL': da and db.
 //   5. dcmha_attn_bwd_rows<Dq = true>: dL on the fragments, packed to A fragments,
 //      dq += dL K on mma (K by ldmatrix.trans); the slot-0 grads. dq staged through smem
 //      and stored in 16-byte chunks (every query row lives in one chunk: written once).
-//   6. dcmha_attn_bwd_keys: CTA of 8 warps per (64-key tile, head, b), the roles of rows
+//   6. dcmha_attn_bwd_keys: CTA of 8 warps per (head, 64-key tile, b), the roles of rows
 //      and columns swapped (S^T = K Q^T and dP'^T = V dO^T on mma, the 32 query columns of
 //      the chunk's tiles looped, each warp 16 keys x 16 queries): P' and dL^T on the
 //      fragments, staged to smem as T, then dv += P'^T dO and dk += dL^T Q on mma (each
@@ -128,7 +128,7 @@ struct MmaAttnBwdParams {
   float* dv;         // that reads a key tile, added to by the later ones ([B, H, T, dv])
   void* dk_out;      // [B, H, T, dh] in q's dtype: the last chunk that reads a key tile writes
   void* dv_out;      // its sum + share here ([B, H, T, dv]): no zero-fill, no conversion pass
-  int key_tile0;     // 64-key tile of the key kernels' blockIdx.x = 0 (the first of the chunk's band)
+  int key_tile0;     // 64-key tile of the key kernels' blockIdx.y = 0 (the first of the chunk's band)
   float* rowsum_parts;  // [B H, kRowsumKeySplits, kRowsumFields, rowsum_pitch] fp32: launch 3's
                         // per-split sums of the chunk's rows (row t at t - chunk0)
   int rowsum_pitch;     // the chunk's rows rounded up to 32 (32-byte aligned row runs)
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
   const int q0 = mp.chunk0 + blockIdx.y * kTileRows;
   if (q0 >= TT) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  const int ldq = mp.dh_pad + kChunk<T>, ldv = mp.dv_pad + kChunk<T>;
+  const int ldq = tile_pitch(mp.dh_pad, sizeof(T)), ldv = tile_pitch(mp.dv_pad, sizeof(T));
 
   int lo, hi;
   split_key_band(q0, kTileRows, TT, p.causal, p.window, (mp.split0 + blockIdx.x) * kSweepSplitKeys,
@@ -474,8 +474,9 @@ HW_UNROLL
 }
 
 // Launches 3 (Dq = false: D, slot-2 grads, per key split) and 5 (Dq = true: dq, slot-0
-// grads): CTA per ([key split,] query tile of the chunk, Heads heads m0.., b). DTiles bounds
-// dh_pad / 8. Heads = 2 (launch 3 where the group's size is even): the CTA's two heads share
+// grads): CTA per (Heads heads m0.., [key split,] query tile of the chunk, b), heads fastest
+// in the grid (the group's heads of a tile read the same scratch words: run together, they
+// read them from HBM once, then from L2). DTiles bounds dh_pad / 8. Heads = 2 (launch 3 where the group's size is even): the CTA's two heads share
 // the scratch words of each (t, s), loaded once per key tile and kept in registers for the
 // second head (the scratch reads, 20 B per (t, s) and head at one head a CTA, bound launch 3
 // by L2); its items (key tile, head) are double-buffered, the two heads' Q and dO resident.
@@ -484,14 +485,14 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttn
   static_assert(Heads == 1 || (Heads == 2 && !Dq), "two heads a CTA in launch 3 only (dq holds a dq tile a head)");
   const MmaAttnParams& mp = bp.m;
   const AttnParams& p = mp.f;
-  const int H = p.H, TT = p.T, hg = p.hg, m0 = static_cast<int>(blockIdx.y) * Heads, b = blockIdx.z;
+  const int H = p.H, TT = p.T, hg = p.hg, m0 = static_cast<int>(blockIdx.x) * Heads, b = blockIdx.z;
   const int bg = b * (H / hg) + m0 / hg;
-  // Dq = false: blockIdx.x = split + kRowsumKeySplits * query tile (the splits of a tile adjacent).
-  const int split = Dq ? 0 : static_cast<int>(blockIdx.x % kRowsumKeySplits);
-  const int q0 = mp.chunk0 + static_cast<int>(Dq ? blockIdx.x : blockIdx.x / kRowsumKeySplits) * kTileRows;
+  // Dq = false: blockIdx.y = split + kRowsumKeySplits * query tile (the splits of a tile adjacent).
+  const int split = Dq ? 0 : static_cast<int>(blockIdx.y % kRowsumKeySplits);
+  const int q0 = mp.chunk0 + static_cast<int>(Dq ? blockIdx.y : blockIdx.y / kRowsumKeySplits) * kTileRows;
   if (q0 >= TT) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  const int ldq = mp.dh_pad + kChunk<T>, ldv = mp.dv_pad + kChunk<T>, dh_n8 = mp.dh_pad / 8;
+  const int ldq = tile_pitch(mp.dh_pad, sizeof(T)), ldv = tile_pitch(mp.dv_pad, sizeof(T)), dh_n8 = mp.dh_pad / 8;
   auto head_of = [&](int u) { return static_cast<int64_t>(b) * H + m0 + u; };
 
   unsigned char* base = hw::dynamic_shared_memory();
@@ -662,8 +663,12 @@ HW_UNROLL
   bp.wt[(head * mp.wfields + kFieldD) * mp.f.T + t] = acc[5];
 }
 
-// Launch 6: CTA per (64-key tile of the chunk's key band, head m, b), kKeyWarps warps,
-// looping the chunk's 32-row query tiles that read its keys. Rows of the fragments are
+// Launch 6: CTA per (head m, 64-key tile of the chunk's key band, b), kKeyWarps warps,
+// looping the chunk's 32-row query tiles that read its keys. Heads are fastest in the grid:
+// the group's heads of a key tile read the same scratch words (32 B per (t, s), four times
+// the bytes of its query side), so they run together and the words come from HBM once,
+// then from L2; a grid with key tiles fastest would run a tile's heads 64 CTAs apart at
+// T = 4096, with the chunk's whole scratch (64 MiB a b at 512 rows) between them. Rows of the fragments are
 // keys s, columns queries t. Per query tile, warp w (key slab ks = w % 4: keys 16 ks..;
 // half hf = w / 4):
 //   1. S^T = K Q^T and dP'^T = V dO^T of its 16 keys x the 16 queries 16 hf.. on mma;
@@ -696,9 +701,9 @@ template <typename T, int DTiles>
 __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttnBwdParams bp) {
   const MmaAttnParams& mp = bp.m;
   const AttnParams& p = mp.f;
-  const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.y, b = blockIdx.z;
+  const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.x, b = blockIdx.z;
   const int bg = b * (H / hg) + m / hg;
-  const int s0 = (bp.key_tile0 + blockIdx.x) * kTileRows;
+  const int s0 = (bp.key_tile0 + blockIdx.y) * kTileRows;
   // Query rows reading keys [s0, s0 + 64): [lo_all, hi_all), causal t >= s0, window
   // t < s0 + 63 + W; this chunk's share of them, [lo, hi).
   const int lo_all = p.causal ? s0 : 0;
@@ -712,7 +717,7 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   const int n_tiles = (hi - t_lo + kQueryTileCols - 1) / kQueryTileCols;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
   const int slab = warp % 4, hf = warp / 4;
-  const int ldq = mp.dh_pad + kChunk<T>, ldv = mp.dv_pad + kChunk<T>;
+  const int ldq = tile_pitch(mp.dh_pad, sizeof(T)), ldv = tile_pitch(mp.dv_pad, sizeof(T));
   const int dk0 = key_half_first(mp.dh_pad / 8, hf), dk8 = key_half_n8(mp.dh_pad / 8, hf);
   const int dv0 = key_half_first(mp.dv_pad / 8, hf), dv8 = key_half_n8(mp.dv_pad / 8, hf);
   const int64_t head = static_cast<int64_t>(b) * H + m;

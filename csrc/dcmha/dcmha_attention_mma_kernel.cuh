@@ -45,7 +45,7 @@
 //      launch per query chunk (its scratch bounds the chunk), and one key tile a CTA
 //      gives even a causal band's early chunks enough CTAs to fill the GPU (256-key
 //      splits left 256-row chunks at ~1.5x their balanced time: bench/RESULTS.md).
-//   3. dcmha_attn_output: CTA per (query tile, head m, b): flash-style loop over the key
+//   3. dcmha_attn_output: CTA per (head m, query tile, b): flash-style loop over the key
 //      tiles of the band (K_m, V_m tiles by cp.async, double-buffered): S_m on mma, the
 //      partials of the tile read from the scratch, L_m -> P_m -> P'_m on the fragments,
 //      P'_m packed to bf16/fp16 A fragments, O_m += P'_m V_m on mma (V by ldmatrix.trans).
@@ -229,6 +229,12 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 using PartWord = uint32_t;
 template <typename T>
 using PartWordOf = typename std::conditional<std::is_same<T, float>::value, uint64_t, PartWord>::type;
+// sizeof(PartWordOf<T>) from the inputs' bytes, for the launchers, which size the scratch
+// before they dispatch on T.
+__host__ __device__ constexpr int part_word_bytes(int elem) { return elem == 4 ? 8 : 4; }
+static_assert(part_word_bytes(4) == sizeof(PartWordOf<float>) &&
+                  part_word_bytes(2) == sizeof(PartWordOf<c10::BFloat16>),
+              "part_word_bytes is sizeof(PartWordOf<T>)");
 template <typename T>
 __device__ __forceinline__ PartWordOf<T> pack_part(float r0, float r1) {
   if constexpr (std::is_same<T, float>::value)
@@ -646,7 +652,7 @@ __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_sweep(const MmaAttnPar
   const int q0 = mp.chunk0 + blockIdx.y * kTileRows;
   if (q0 >= TT) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  const int ldq = mp.dh_pad + kChunk<T>;
+  const int ldq = tile_pitch(mp.dh_pad, sizeof(T));
 
   // The tile's key band within this CTA's split; a split outside the band has no work
   // (the combine reads only the splits of each row's band, so writes nothing either).
@@ -877,13 +883,14 @@ HW_UNROLL
 // head, b).
 __global__ void __launch_bounds__(kTileRows) dcmha_attn_stats_combine(const MmaAttnParams mp) {
   const AttnParams& p = mp.f;
-  const int TT = p.T, bh = blockIdx.z * p.H + blockIdx.y;
+  const int TT = p.T;
+  const int64_t bh = static_cast<int64_t>(blockIdx.z) * p.H + blockIdx.y;
   const int t = mp.chunk0 + blockIdx.x * kTileRows + threadIdx.x;
   if (t >= TT || t >= mp.chunk0 + mp.chunk) return;
   int lo, hi;
   key_band(t, 1, TT, p.causal, p.window, lo, hi);
   const int64_t plane = static_cast<int64_t>(p.B) * p.H * mp.chunk;
-  const float* in = mp.split_stats + static_cast<int64_t>(bh) * mp.chunk + t - mp.chunk0;
+  const float* in = mp.split_stats + bh * mp.chunk + t - mp.chunk0;
   const int i_lo = lo / kStatsSplitKeys, i_hi = hi > lo ? (hi - 1) / kStatsSplitKeys + 1 : i_lo;
   float m = -INFINITY;
   for (int i = i_lo; i < i_hi; ++i) m = fmaxf(m, in[i * 2 * plane]);
@@ -899,16 +906,19 @@ __global__ void __launch_bounds__(kTileRows) dcmha_attn_stats_combine(const MmaA
   p.stats[static_cast<int64_t>(p.B) * p.H * TT + so] = z;
 }
 
-// Kernel 3: CTA per (query tile of the chunk, head m, b). DvTiles = dv_pad / 8 bound.
+// Kernel 3: CTA per (head m, query tile of the chunk, b), heads fastest in the grid: the
+// heads of a group read the same scratch partials of a tile (16 B per (t, s), twice the
+// bytes of its K, V), so they run together and the partials come from HBM once, then from
+// L2. DvTiles = dv_pad / 8 bound.
 template <typename T, int DvTiles>
 __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_output(const MmaAttnParams mp) {
   const AttnParams& p = mp.f;
-  const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.y, b = blockIdx.z;
+  const int H = p.H, TT = p.T, hg = p.hg, m = blockIdx.x, b = blockIdx.z;
   const int bg = b * (H / hg) + m / hg;
-  const int q0 = mp.chunk0 + blockIdx.x * kTileRows;
+  const int q0 = mp.chunk0 + blockIdx.y * kTileRows;
   if (q0 >= TT) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  const int ldq = mp.dh_pad + kChunk<T>, ldv = mp.dv_pad + kChunk<T>, dv_n8 = mp.dv_pad / 8;
+  const int ldq = tile_pitch(mp.dh_pad, sizeof(T)), ldv = tile_pitch(mp.dv_pad, sizeof(T)), dv_n8 = mp.dv_pad / 8;
   const int64_t head = static_cast<int64_t>(b) * H + m;
 
   unsigned char* base = hw::dynamic_shared_memory();

@@ -23,8 +23,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 namespace headwise {
 namespace dcmha {
@@ -139,9 +141,27 @@ inline int64_t chunk_rows_under_cap(int64_t T, int64_t row_bytes) {
 }
 
 // Rows of a query chunk of the tensor-core kernels' scratch, B G words chunk T words of
-// word_bytes (PartWordOf<T>: 4, or 8 on the TF32 path).
-inline int64_t query_chunk_rows(const AttnParams& p, int64_t words, int64_t word_bytes = sizeof(PartWord)) {
-  return chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * (p.H / p.hg) * words * p.T * word_bytes);
+// PartWordOf<T> for inputs of elem bytes.
+inline int64_t query_chunk_rows(const AttnParams& p, int64_t words, int elem) {
+  return chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * (p.H / p.hg) * words * p.T * part_word_bytes(elem));
+}
+
+// The tensor-core kernels' scratch [B G, words, chunk, T] of PartWordOf<T> (as int32 / int64
+// for inputs of elem bytes), zero-filled where asked.
+inline at::Tensor part_scratch(const AttnParams& p, int64_t words, int64_t chunk, int elem,
+                               const at::TensorOptions& opt, bool zeroed) {
+  const at::TensorOptions o = opt.dtype(part_word_bytes(elem) == 8 ? at::kLong : at::kInt);
+  const std::vector<int64_t> shape{static_cast<int64_t>(p.B) * (p.H / p.hg), words, chunk, p.T};
+  return zeroed ? at::zeros(shape, o) : at::empty(shape, o);
+}
+
+// Whether the row tiles move in 16-byte chunks (AttnParams vec16): dh and dv multiples of a
+// chunk's elements and every one of `rows` (q, k, v and the row-shaped outputs or gradients)
+// 16-byte aligned.
+inline int rows_vec16(const AttnParams& p, int elem, std::initializer_list<const void*> rows) {
+  const int chunk_elems = 16 / elem;
+  return p.dh % chunk_elems == 0 && p.dv % chunk_elems == 0 &&
+         std::all_of(rows.begin(), rows.end(), [](const void* ptr) { return aligned16(ptr); });
 }
 
 // Whether fp32 inputs may take the tensor cores as TF32: where torch lets its own float32
@@ -219,8 +239,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
   const int64_t groups = p.H / p.hg;
   const int64_t splits = (p.T + kStatsSplitKeys - 1) / kStatsSplitKeys;
   const int elem = static_cast<int>(q.element_size());
-  const int64_t word_bytes = elem == 4 ? 8 : 4;  // sizeof(PartWordOf<T>)
-  const int64_t chunk = std::min(query_chunk_rows(p, 4, word_bytes),
+  const int64_t chunk = std::min(query_chunk_rows(p, 4, elem),
                                  chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * p.H * 2 * splits * 4));
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kWeightFields, p.T}, fopt);
@@ -232,9 +251,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
   mp.ab_saved = 1;
   mp.dh_pad = dh_pad;
   mp.dv_pad = dv_pad;
-  const int chunk_elems = 16 / elem;
-  mp.vec16 = p.dh % chunk_elems == 0 && p.dv % chunk_elems == 0 && aligned16(q.data_ptr()) &&
-             aligned16(k.data_ptr()) && aligned16(v.data_ptr()) && aligned16(out.data_ptr());
+  mp.vec16 = rows_vec16(p, elem, {q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()});
   const size_t wt_smem = static_cast<size_t>(transpose_smem_bytes());
   const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad, elem));
   const size_t out_smem = static_cast<size_t>(mma_out_smem_bytes(dh_pad, dv_pad, elem));
@@ -254,9 +271,8 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
               wt.data_ptr<float>(), kWeightFields, weights_vec4(p));
     // split_stats [splits, 2, B H, chunk] is indexed by the absolute split: the combine reads
     // the splits of each row's band.
-    at::Tensor split_stats = at::empty({splits, 2, p.B * p.H, chunk}, fopt);
-    at::Tensor partials =
-        at::empty({p.B * groups, 4, chunk, p.T}, q.options().dtype(word_bytes == 8 ? at::kLong : at::kInt));
+    at::Tensor split_stats = at::empty({splits, 2, static_cast<int64_t>(p.B) * p.H, chunk}, fopt);
+    at::Tensor partials = part_scratch(p, 4, chunk, elem, q.options(), false);
     mp.split_stats = split_stats.data_ptr<float>();
     mp.partials = static_cast<PartWord*>(partials.data_ptr());
     mp.chunk = static_cast<int>(chunk);
@@ -270,7 +286,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
       const unsigned chunk_splits = band_key_blocks(p, c0, chunk, kSweepSplitKeys, mp.split0);
       HW_LAUNCH("dcmha_attn_partials", kp, dim3(chunk_splits, chunk_tiles, bg), dim3(kMmaThreads),
                 loop_smem, mp);
-      HW_LAUNCH("dcmha_attn_output", ko, dim3(chunk_tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B)),
+      HW_LAUNCH("dcmha_attn_output", ko, dim3(static_cast<unsigned>(p.H), chunk_tiles, static_cast<unsigned>(p.B)),
                 dim3(kMmaThreads), out_smem, mp);
     }
   });
@@ -293,7 +309,7 @@ inline bool mma_backward_fits(const AttnShape& s, const AttnParams& p, at::Scala
   return (dtype != at::kFloat || forward_takes_tensor_cores(s, p, dtype, dh_pad, dv_pad)) && dh_pad <= 128 &&
          dv_pad <= 128 && static_cast<size_t>(need) <= limit &&
          static_cast<int64_t>(p.B) * (p.H / p.hg) <= 65535 && p.B <= 65535 && p.H <= 65535 &&
-         (static_cast<int64_t>(p.T) + kTileRows - 1) / kTileRows <= 65535;
+         (static_cast<int64_t>(p.T) + kTileRows - 1) / kTileRows * kRowsumKeySplits <= 65535;
 }
 
 // 1 / Z of the forward's row sums Z (0 where Z = 0: a row with no kept key), correctly
@@ -311,21 +327,20 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
                                           at::Tensor& dw2, at::Tensor& dg, int dh_pad, int dv_pad) {
   const int64_t groups = p.H / p.hg;
   const int elem = static_cast<int>(q.element_size());
-  const int64_t word_bytes = elem == 4 ? 8 : 4;  // sizeof(PartWordOf<T>)
-  const int64_t chunk = query_chunk_rows(p, kBwdPartWords, word_bytes);
+  const int64_t chunk = query_chunk_rows(p, kBwdPartWords, elem);
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kBwdWeightFields, p.T}, fopt);
   wt.select(2, kFieldM).copy_(stats[0]);
   wt.select(2, kFieldInvZ).copy_(inverse_row_sums(stats[1]));
   // Zeroed: the key-tile kernels' lanes read (t, s) of other tiles' bands too (then drop
   // the values), and no read may be of uninitialized memory (compute-sanitizer initcheck).
-  at::Tensor partials =
-      at::zeros({p.B * groups, kBwdPartWords, chunk, p.T}, q.options().dtype(word_bytes == 8 ? at::kLong : at::kInt));
+  at::Tensor partials = part_scratch(p, kBwdPartWords, chunk, elem, q.options(), true);
   // Stored by the first chunk that reads a key tile, so not zeroed (dcmha_attn_bwd_keys).
   at::Tensor dk32 = at::empty(k.sizes(), fopt), dv32 = at::empty(v.sizes(), fopt);
   at::Tensor gt = at::zeros({p.B, p.H, kWeightFields, p.T}, fopt);
   const int64_t rowsum_pitch = (std::min<int64_t>(chunk, p.T) + 31) / 32 * 32;
-  at::Tensor rowsum_parts = at::empty({p.B * p.H, kRowsumKeySplits, kRowsumFields, rowsum_pitch}, fopt);
+  at::Tensor rowsum_parts =
+      at::empty({static_cast<int64_t>(p.B) * p.H, kRowsumKeySplits, kRowsumFields, rowsum_pitch}, fopt);
   MmaAttnBwdParams bp{};
   bp.m.f = p;
   bp.m.wt = wt.data_ptr<float>();
@@ -335,10 +350,7 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   bp.m.pwords = kBwdPartWords;
   bp.m.dh_pad = dh_pad;
   bp.m.dv_pad = dv_pad;
-  const int chunk_elems = 16 / elem;
-  bp.m.vec16 = p.dh % chunk_elems == 0 && p.dv % chunk_elems == 0 && aligned16(q.data_ptr()) &&
-               aligned16(k.data_ptr()) && aligned16(v.data_ptr()) && aligned16(dout.data_ptr()) &&
-               aligned16(dq.data_ptr());
+  bp.m.vec16 = rows_vec16(p, elem, {q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr()});
   bp.wt = wt.data_ptr<float>();
   bp.dout = dout.data_ptr();
   bp.dq = dq.data_ptr();
@@ -386,8 +398,9 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
       const unsigned tiles = query_tiles(p.T, c0, chunk);
       const unsigned splits = band_key_blocks(p, c0, chunk, kSweepSplitKeys, bp.m.split0);
       const unsigned key_tiles = band_key_blocks(p, c0, chunk, kTileRows, bp.key_tile0);
-      const dim3 sweep_grid(splits, tiles, bg), rows_grid(tiles, H, B), keys_grid(key_tiles, H, B);
-      const dim3 rowsum_grid(tiles * kRowsumKeySplits, H / rs_heads, B),
+      // The row and key kernels' grids run heads fastest: the heads of a tile share its scratch.
+      const dim3 sweep_grid(splits, tiles, bg), rows_grid(H, tiles, B), keys_grid(H, key_tiles, B);
+      const dim3 rowsum_grid(H / rs_heads, tiles * kRowsumKeySplits, B),
           combine_grid(static_cast<unsigned>((tiles * kTileRows + kMmaThreads - 1) / kMmaThreads), H, B);
       HW_LAUNCH("dcmha_attn_partials", kp, sweep_grid, dim3(kMmaThreads), loop_smem, bp.m);
       HW_LAUNCH("dcmha_attn_bwd_dpost", k_post, sweep_grid, dim3(kMmaThreads), post_smem, bp);

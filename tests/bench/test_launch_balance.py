@@ -64,7 +64,8 @@ def test_the_backward_cases_count_each_kernels_work_alike_before_and_now():
     assert cases["now"]["dcmha_attn_bwd_rowsum_combine"] == [[1] * batch * heads] * (seq // 128)
     # An odd head count keeps a head a rowsum CTA; an even one pairs them: half the CTAs,
     # each the work of two.
-    assert cases["now"]["dcmha_attn_bwd_rowsum"] == cases["splits"]["dcmha_attn_bwd_rowsum"]
+    assert ([sorted(w) for w in cases["now"]["dcmha_attn_bwd_rowsum"]]
+            == [sorted(w) for w in cases["splits"]["dcmha_attn_bwd_rowsum"]])
     paired = lb.backward_cases(batch=batch, heads=4, seq=seq, chunk=128)
     assert sorted(paired["now"]["dcmha_attn_bwd_rowsum"][0]) == sorted([2, 2, 2, 2, 4] * batch * 2)
     assert (sum(sum(w) for w in paired["now"]["dcmha_attn_bwd_rowsum"])
@@ -166,7 +167,8 @@ def test_the_chunks_are_the_launchers_under_its_scratch_cap():
 
 
 def test_the_scratch_cap_is_the_kernels():
-    # SCRATCH_BYTES mirrors kScratchBytes, which the launcher reads (dcmha_launch.h).
+    # SCRATCH_BYTES and the sizes of the chunk formulas mirror the kernels' constants, which
+    # the launcher reads (dcmha_launch.h).
     import re
 
     from headwise.bench.checkout import ROOT
@@ -174,8 +176,25 @@ def test_the_scratch_cap_is_the_kernels():
     header = ROOT / "csrc" / "dcmha" / "dcmha_attention_mma_kernel.cuh"
     if not header.exists():
         pytest.skip("no csrc/ in this checkout")
-    m = re.search(r"constexpr int64_t kScratchBytes = int64_t\((\d+)\) << (\d+);", header.read_text())
+    fwd, bwd = header.read_text(), header.with_name("dcmha_attention_mma_bwd_kernel.cuh").read_text()
+    m = re.search(r"constexpr int64_t kScratchBytes = int64_t\((\d+)\) << (\d+);", fwd)
     assert m, "kScratchBytes not found"
     assert int(m.group(1)) << int(m.group(2)) == lb.SCRATCH_BYTES
-    m = re.search(r"constexpr int kTileRows = (\d+);", header.read_text())
-    assert m and int(m.group(1)) == lb.TILE_ROWS
+    for text, name, value in ((fwd, "kTileRows", lb.TILE_ROWS), (fwd, "kStatsSplitKeys", lb.STATS_SPLIT_KEYS),
+                              (bwd, "kBwdPartFields", 2 * lb.BACKWARD_PART_WORDS)):
+        m = re.search(rf"constexpr int {name} = (\d+);", text)
+        assert m and int(m.group(1)) == value, name
+    assert "constexpr int kBwdPartWords = kBwdPartFields / 2;" in bwd
+
+
+def test_the_row_and_key_grids_now_run_heads_fastest():
+    # The heads of a tile are adjacent in block order (they share its scratch words); the
+    # grids before ran every tile of a head first.
+    assert lb.row_ctas(range(0, 128), batch=1, heads=3) == [2, 2, 2, 4, 4, 4]
+    assert lb.row_ctas(range(0, 128), batch=1, heads=3, heads_fastest=False) == [2, 4, 2, 4, 2, 4]
+    assert lb.key_ctas(range(0, 128), batch=1, heads=2, seq=128) == [4, 4, 2, 2]
+    assert lb.key_ctas(range(0, 128), batch=1, heads=2, seq=128, heads_fastest=False) == [4, 2, 4, 2]
+    now, before = lb.backward_cases(batch=1, heads=3, seq=256, chunk=128)["now"], lb.backward_cases(
+        batch=1, heads=3, seq=256, chunk=128)["splits"]
+    assert now["dcmha_attn_bwd_dkv"] == [lb.key_ctas(range(c, c + 128), 1, 3, 256) for c in (0, 128)]
+    assert before["dcmha_attn_bwd_dq"] == [lb.row_ctas(range(c, c + 128), 1, 3, heads_fastest=False) for c in (0, 128)]

@@ -391,14 +391,18 @@ def test_sim_tensor_core_grids_hold_only_the_chunks_key_band(monkeypatch):
             out.append(-(-hi // keys) - lo // keys)
         return out
 
+    # The sweeps' key blocks are grid x; the row and key kernels run heads on x (heads
+    # fastest), their query or key tiles on y.
     grids = {}
     for r in recs:
-        grids.setdefault(r["kernel"], []).append(r["grid"][0])
-    assert grids["dcmha_attn_partials"] == blocks(32) * 2  # the forward's, then the backward's
-    assert grids["dcmha_attn_bwd_dpost"] == grids["dcmha_attn_bwd_dpre"] == blocks(32)
-    assert grids["dcmha_attn_bwd_dkv"] == blocks(64)
-    assert grids["dcmha_attn_bwd_rowsum"] == [3] * len(blocks(32))
-    assert grids["dcmha_attn_bwd_rowsum_combine"] == grids["dcmha_attn_bwd_dq"] == [1] * len(blocks(32))
+        grids.setdefault(r["kernel"], []).append(r["grid"])
+    x, y = (lambda k: [g[0] for g in grids[k]]), (lambda k: [g[1] for g in grids[k]])
+    assert x("dcmha_attn_partials") == blocks(32) * 2  # the forward's, then the backward's
+    assert x("dcmha_attn_bwd_dpost") == x("dcmha_attn_bwd_dpre") == blocks(32)
+    assert y("dcmha_attn_bwd_dkv") == blocks(64) and x("dcmha_attn_bwd_dkv") == [2] * len(blocks(64))
+    assert y("dcmha_attn_bwd_rowsum") == [3] * len(blocks(32)) and x("dcmha_attn_bwd_rowsum") == [1] * len(blocks(32))
+    assert x("dcmha_attn_bwd_rowsum_combine") == y("dcmha_attn_bwd_dq") == [1] * len(blocks(32))
+    assert x("dcmha_attn_bwd_dq") == x("dcmha_attn_output") == [2] * len(blocks(32))
     assert blocks(32)[-1] < -(-t // 32) and blocks(64)[-1] < -(-t // 64)  # the window cut the last chunk's
 
 
@@ -595,7 +599,7 @@ def test_sim_fp32_follows_every_way_torch_sets_its_matmul_precision(fp32_precisi
     torch.backends.cuda.matmul.allow_tf32 = tf32
     want = run()
     assert not torch.equal(other[0], want[0])
-    fp32_precision_state()  # torch's default state, as a process starts
+    fp32_precision_state()  # the state the test began in (torch's default, as a process starts)
     apply()
     got = run()
     assert all(torch.equal(a, b) for a, b in zip(got, want)), setting

@@ -758,7 +758,7 @@ def test_fp32_follows_every_way_torch_sets_its_matmul_precision(fp32_precision_s
     torch.backends.cuda.matmul.allow_tf32 = tf32
     want = sim.head_merge(z, w, bias, head_gate=gate)
     assert not torch.equal(other, want)
-    fp32_precision_state()  # torch's default state, as a process starts
+    fp32_precision_state()  # the state the test began in (torch's default, as a process starts)
     apply()
     assert torch.equal(sim.head_merge(z, w, bias, head_gate=gate), want), setting
 

@@ -35,13 +35,14 @@ at the target shape, B = 8, one group of H = 32 heads, T = 4096 causal, 64-row q
   at its CTAs per SM from the emulator's profile JSON, weighted by the profile's estimate
   of the kernel (which spreads its work evenly): the sweeps (partials, dP', dL') with CTAs
   of 256-key splits (before) or of one key tile (tiles, now), the row kernels (rowsum, dq)
-  a CTA per (query tile, head, b) over the band, the rowsum's band cut into 3 key splits
+  a CTA per (head, query tile, b), heads fastest, over the band, the rowsum's band cut into 3 key splits
   (now) with their combine after it, the key kernel (dk and dv; two kernels in older
-  profiles) a CTA per (64-key tile, head, b) over the chunk's 32-row query steps in its band;
+  profiles) a CTA per (head, 64-key tile, b), heads fastest, over the chunk's 32-row query
+  steps in its band;
 - the forward's launches per query chunk (its scratch of 4 words a (t, s) under the cap:
   1024 rows), weighted by the profile's estimates like the backward's: the statistics sweep in
   64-key splits, the partials sweep a key tile a CTA, the output kernel a CTA per
-  (query tile, head, b) over the band.
+  (head, query tile, b), heads fastest, over the band.
 Last, issue 16's targets at that shape: the forward and backward estimates, evenly spread
 and scheduled, against 4x SDPA flash's forward + backward as the H200 measured it
 (bench/h200_2026-11-30/targets_dcmha_backward.json) and against a floor of DCFormer's
@@ -60,6 +61,9 @@ SMS = 132
 # kScratchBytes (dcmha_attention_mma_kernel.cuh): the launcher's cap on a call's scratch.
 SCRATCH_BYTES = 512 << 20
 TILE_ROWS = 64  # kTileRows: query rows per CTA, the chunk's granularity
+STATS_SPLIT_KEYS = 64  # kStatsSplitKeys: keys per split of the forward's split statistics
+FORWARD_PART_WORDS = 4  # the forward's scratch planes (a, b, c, d)
+BACKWARD_PART_WORDS = 8  # kBwdPartWords (dcmha_attention_mma_bwd_kernel.cuh)
 # The H200's measurement of SDPA flash (plain MHA, the target shape), issue 16's baseline.
 FLASH_MEASURED = BENCH_DIR / "h200_2026-11-30" / "targets_dcmha_backward.json"
 
@@ -77,8 +81,8 @@ def forward_chunk_rows(batch: int = 8, heads: int = 32, seq: int = 4096, groups:
     """The forward's query chunk (launch_mma_attention): its scratch of B G 4 words a (t, s)
     (word_bytes 4, or 8 on the TF32 path) and its split statistics (B H 2 fp32 a 64-key split
     and row) each under the cap."""
-    splits = -(-seq // 64)
-    return min(chunk_rows(seq, batch * groups * 4 * seq * word_bytes, cap),
+    splits = -(-seq // STATS_SPLIT_KEYS)
+    return min(chunk_rows(seq, batch * groups * FORWARD_PART_WORDS * seq * word_bytes, cap),
                chunk_rows(seq, batch * heads * 2 * splits * 4, cap))
 
 
@@ -86,7 +90,7 @@ def backward_chunk_rows(batch: int = 8, seq: int = 4096, groups: int = 1, word_b
                         cap: int = SCRATCH_BYTES) -> int:
     """The backward's query chunk (launch_mma_attention_backward): its scratch of B G 8 words
     a (t, s) under the cap."""
-    return chunk_rows(seq, batch * groups * 8 * seq * word_bytes, cap)
+    return chunk_rows(seq, batch * groups * BACKWARD_PART_WORDS * seq * word_bytes, cap)
 
 
 # The launcher's chunks at the target shape (bf16): 1024 forward rows, 512 backward rows.
@@ -159,31 +163,38 @@ def partials_cases(batch: int = 8, seq: int = 4096) -> dict[str, list[list[int]]
 
 
 def row_ctas(rows: range, batch: int, heads: int, tile_rows: int = 64, key_tile: int = 32, splits: int = 1,
-             heads_per_cta: int = 1) -> list[int]:
-    """Key tiles of each non-empty (key split, query tile, heads, b) CTA of a causal row
-    kernel over `rows`: split i of a tile's n key tiles holds n (i + 1) // splits - n i // splits
-    of them, for each of the CTA's heads (dcmha_attn_bwd_rows; its empty splits store zeros
-    and are left out here)."""
+             heads_per_cta: int = 1, heads_fastest: bool = True) -> list[int]:
+    """Key tiles of each non-empty (heads, key split, query tile, b) CTA of a causal row
+    kernel over `rows`, in linear block order: heads fastest as the kernels' grids, or
+    (heads_fastest=False, the grids before 2026-12-06) key splits, then tiles, then heads.
+    Split i of a tile's n key tiles holds n (i + 1) // splits - n i // splits of them, for
+    each of the CTA's heads (dcmha_attn_bwd_rows; its empty splits store zeros and are left
+    out here)."""
     works = []
     for _ in range(batch):
-        for _ in range(heads // heads_per_cta):
-            for q0 in range(rows.start, rows.stop, tile_rows):
-                n = (q0 + tile_rows) // key_tile
-                works += [heads_per_cta * w for i in range(splits)
-                          if (w := n * (i + 1) // splits - n * i // splits) > 0]
+        per_tile = []
+        for q0 in range(rows.start, rows.stop, tile_rows):
+            n = (q0 + tile_rows) // key_tile
+            per_tile.append([heads_per_cta * w for i in range(splits)
+                             if (w := n * (i + 1) // splits - n * i // splits) > 0])
+        groups = heads // heads_per_cta
+        if heads_fastest:
+            works += [w for tile in per_tile for w in tile for _ in range(groups)]
+        else:
+            works += [w for _ in range(groups) for tile in per_tile for w in tile]
     return works
 
 
-def key_ctas(rows: range, batch: int, heads: int, seq: int, key_rows: int = 64, step: int = 32) -> list[int]:
-    """Query steps of each non-empty (64-key tile, head, b) CTA of a causal key kernel over
-    the query rows `rows`: the steps of `step` rows from the tile's first key on."""
+def key_ctas(rows: range, batch: int, heads: int, seq: int, key_rows: int = 64, step: int = 32,
+             heads_fastest: bool = True) -> list[int]:
+    """Query steps of each non-empty (head, 64-key tile, b) CTA of a causal key kernel over
+    the query rows `rows`, in linear block order: heads fastest as dcmha_attn_bwd_keys's
+    grid, or (heads_fastest=False, before 2026-12-06) key tiles fastest. A CTA's steps are
+    those of `step` rows from the tile's first key on."""
     works = []
     for _ in range(batch):
-        for _ in range(heads):
-            for s0 in range(0, seq, key_rows):
-                n = rows.stop - max(rows.start, s0)
-                if n > 0:
-                    works.append(-(-n // step))
+        tiles = [-(-n // step) for s0 in range(0, seq, key_rows) if (n := rows.stop - max(rows.start, s0)) > 0]
+        works += [w for w in tiles for _ in range(heads)] if heads_fastest else tiles * heads
     return works
 
 
@@ -202,28 +213,33 @@ def backward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int 
     "splits" with those and the rowsum's tiles cut into ROWSUM_KEY_SPLITS key splits (its
     combine, a CTA per 128 rows of the chunk and head, then runs; before, the rowsum did it),
     "now" with the rowsum's CTAs of ROWSUM_HEADS heads where they divide `heads` (half the
-    CTAs, twice the work each)."""
+    CTAs, twice the work each) and the row and key kernels' grids heads fastest (the older
+    cases' ran tiles fastest)."""
     chunks = [range(c0, min(c0 + chunk, seq)) for c0 in range(0, seq, chunk)]
-    rows = [row_ctas(c, batch, heads) for c in chunks]
-    split_rows = [row_ctas(c, batch, heads, splits=ROWSUM_KEY_SPLITS) for c in chunks]
+    rows = [row_ctas(c, batch, heads, heads_fastest=False) for c in chunks]
+    split_rows = [row_ctas(c, batch, heads, splits=ROWSUM_KEY_SPLITS, heads_fastest=False) for c in chunks]
     pair = ROWSUM_HEADS if heads % ROWSUM_HEADS == 0 else 1
     pair_rows = [row_ctas(c, batch, heads, splits=ROWSUM_KEY_SPLITS, heads_per_cta=pair) for c in chunks]
     combine = [[1] * (batch * heads * -(-len(c) // 128)) for c in chunks]
-    keys = [key_ctas(c, batch, heads, seq) for c in chunks]
+    keys = [key_ctas(c, batch, heads, seq, heads_fastest=False) for c in chunks]
+    # Now the row and key kernels run heads fastest.
+    rows_now = [row_ctas(c, batch, heads) for c in chunks]
+    keys_now = [key_ctas(c, batch, heads, seq) for c in chunks]
     cases = {}
-    for name, split, rowsum in (("before", 256, rows), ("tiles", 32, rows), ("splits", 32, split_rows),
-                                ("now", 32, pair_rows)):
+    for name, split, rowsum, dq, key in (("before", 256, rows, rows, keys), ("tiles", 32, rows, rows, keys),
+                                         ("splits", 32, split_rows, rows, keys),
+                                         ("now", 32, pair_rows, rows_now, keys_now)):
         sweep = [split_ctas(c, batch, split_keys=split) for c in chunks]
         cases[name] = {k: sweep if k.endswith(("partials", "dpost", "dpre")) else rowsum if k.endswith("rowsum")
                        else (combine if name in ("splits", "now") else []) if k.endswith("combine")
-                       else rows if k.endswith("dq") else keys for k in BACKWARD_KERNELS}
+                       else dq if k.endswith("dq") else key for k in BACKWARD_KERNELS}
     return cases
 
 
 def forward_cases(batch: int = 8, heads: int = 32, seq: int = 4096, chunk: int = FORWARD_CHUNK) -> dict[str, list[list[int]]]:
     """Per scheduled forward kernel, its launches (one per query chunk of `chunk` rows): the
     statistics sweep's CTAs of 64-key splits (kStatsSplitKeys), the partials sweep's of one
-    32-key tile (kSweepSplitKeys), the output kernel's a CTA per (query tile, head, b) over
+    32-key tile (kSweepSplitKeys), the output kernel's a CTA per (head, query tile, b) over
     the tile's band (dcmha_attention_mma_kernel.cuh). The weights transpose and the
     statistics combine, whose CTAs are alike, are left to their even estimate."""
     chunks = [range(c0, min(c0 + chunk, seq)) for c0 in range(0, seq, chunk)]
