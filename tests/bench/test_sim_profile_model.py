@@ -194,3 +194,17 @@ def test_issue_term_and_launch_instantiation(tmp_path):
                for t, h, per in (("c10::BFloat16", 2, 7.0), ("float", 1, 7.5), ("float", 2, 9.0))]
     assert launch_report(reports, "dcmha_attn_bwd_rowsum", "bfloat16", key=lambda r: 0).issue_per_hmma == 7.0
     assert launch_report(reports, "dcmha_attn_bwd_rowsum", "float32", key=lambda r: 0).issue_per_hmma == 7.5
+
+
+def test_gemm_rows_carry_the_ops_dtype_and_refuse_fp32(monkeypatch):
+    import dataclasses
+
+    from headwise.bench import sim_profile as sp
+
+    # qkv is the op whose cuBLAS GEMMs the profile adds analytically.
+    rows = sp.gemm_rows("qkv")
+    assert rows and all(r["dtype"] == sp.OPS["qkv"].dtype for r in rows)
+    monkeypatch.setitem(sp.OPS, "qkv", dataclasses.replace(sp.OPS["qkv"], dtype="float32"))
+    with pytest.raises(ValueError, match="16-bit"):
+        sp.gemm_rows("qkv")
+    assert sp.gemm_rows("dcmha_tf32") == []  # no library GEMM in the fused attention

@@ -578,17 +578,20 @@ def fit_target(key: str, records: list[dict], reports, issue_reports=None) -> li
 
 def gemm_rows(key: str) -> list[dict]:
     """Analytic rows for the cuBLAS GEMMs an op runs (not emulated): max(bytes / HBM,
-    FLOPs / mma ceiling)."""
+    FLOPs / mma ceiling), at the 16-bit tensor-core ceiling (the ops with GEMMs profile
+    bf16 / fp16 inputs; an fp32 op would need its TF32 or FP32 ceiling here)."""
     spec = OPS[key]
     if spec.gemm is None:
         return []
+    if spec.dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"{key}: analytic GEMM rows are for 16-bit inputs, not {spec.dtype}")
     rows = []
     for phase, gemms in spec.gemm(spec.target).items():
         for flops, nbytes in gemms:
             t = {"hbm": nbytes / H200.hbm_bytes_per_s, "mma": flops / H200.mma_flops_per_s}
             bound = max(t, key=t.get)
             rows.append({"kernel": "cuBLAS GEMM (analytic)", "op": f"{spec.name} {phase}", "op_key": key, "phase": phase,
-                         "shape": dict(spec.target), "dtype": "bfloat16", "min_bytes": nbytes, "min_flops": flops,
+                         "shape": dict(spec.target), "dtype": spec.dtype, "min_bytes": nbytes, "min_flops": flops,
                          "est_us": t[bound] * 1e6, "est_bound": bound})
     return rows
 
