@@ -70,8 +70,8 @@
 // Shared memory (the *_smem_bytes functions; ldq = dh_pad + 8, ldv = dv_pad + 8 elements), at
 // dh = dv = 128: the dL' sweep 111.2 KiB (double-buffered dO, V, Q, K tiles + the weights
 // of a query and a key tile), the dP' sweep 60.2 KiB, the row kernels 70.6 KiB, the key
-// kernel 108.5 KiB: sm_80 / sm_90 (163 / 227 KiB); the 99 KiB parts take the SIMT backward
-// at that size.
+// kernel 108.5 KiB: sm_80 / sm_90 (163 / 227 KiB); the 99 KiB parts run the dL' sweep and
+// the key kernel with one buffer of their streamed tiles (see the fp32 note below).
 //
 // fp32 as TF32 (the same kernels at T = float, after a forward that took the tensor cores, so
 // both form the logits from the same truncated operands): the products as the forward's
@@ -82,8 +82,11 @@
 // save the 16-bit path's reloads would take twice the registers: the dL' sweep loads them
 // per head where it uses them, and launch 3 takes one head a CTA (rowsum_heads). Shared
 // memory at dh = dv = 128: the dL' sweep 207 KiB, the dP' sweep 108 KiB, the row kernels
-// 135 KiB (dq) and the key kernel 183 KiB: sm_90 (227 KiB) holds them, sm_80 (163 KiB) takes
-// the SIMT backward there (the launcher's mma_backward_fits) and these kernels at dh <= 64.
+// 135 KiB (dq) and the key kernel 183 KiB: sm_90 (227 KiB) holds them; on sm_80 (163 KiB) the
+// dL' sweep and the key kernel keep one buffer of their streamed tiles (104 / 147 KiB: their
+// Stages = 1 instantiations), so the next tile loads after the current one's
+// products instead of during them. So do bf16's at dh = dv = 128 on the 99 KiB parts (56 /
+// 89 KiB), with the rowsum at one head a CTA (its two heads' tiles take 104.5 KiB).
 #pragma once
 
 #include "dcmha_attention_mma_kernel.cuh"
@@ -299,30 +302,36 @@ HW_UNROLL
 constexpr unsigned part_bits(int f) { return 1u << (f / 2); }
 
 // Shared memory of the three kernels.
-// elem: bytes of the inputs' dtype (2, or 4 for the TF32 path).
-__host__ __device__ inline int64_t bwd_sweep_smem_bytes(bool pre, int dh_pad, int dv_pad, int elem = 2) {
+// elem: bytes of the inputs' dtype (2, or 4 for the TF32 path); stages: buffers of the tiles
+// the sweeps and the key kernel stream (their Stages: kBufferStages, or 1 where two do not fit
+// the device's shared memory, so that the next tile loads after the current one's products
+// instead of during them).
+constexpr int kBufferStages = 2;
+__host__ __device__ inline int64_t bwd_sweep_smem_bytes(bool pre, int dh_pad, int dv_pad, int elem = 2,
+                                                        int stages = kBufferStages) {
   const int64_t ldq = tile_pitch(dh_pad, elem), ldv = tile_pitch(dv_pad, elem);
-  return int64_t(2) * (kTileRows + kTileKeys) * (ldv + (pre ? ldq : 0)) * elem +
-         int64_t(4) * 2 * (kQuerySide * kRowPitch + kKeySide * kColPitch);
+  return int64_t(stages) * (kTileRows + kTileKeys) * (ldv + (pre ? ldq : 0)) * elem +
+         int64_t(4) * stages * (kQuerySide * kRowPitch + kKeySide * kColPitch);
 }
 __host__ __device__ inline int64_t bwd_rows_smem_bytes(int dh_pad, int dv_pad, int heads, int elem = 2) {
   const int64_t ldq = tile_pitch(dh_pad, elem), ldv = tile_pitch(dv_pad, elem);
   return int64_t(heads) * kTileRows * (ldq + ldv) * elem + int64_t(2) * kTileKeys * (ldq + ldv) * elem +
          int64_t(4) * 2 * kKeySide * kColPitch;
 }
-__host__ __device__ inline int64_t bwd_keys_smem_bytes(int dh_pad, int dv_pad, int elem = 2) {
+__host__ __device__ inline int64_t bwd_keys_smem_bytes(int dh_pad, int dv_pad, int elem = 2,
+                                                       int stages = kBufferStages) {
   const int64_t ldq = tile_pitch(dh_pad, elem), ldv = tile_pitch(dv_pad, elem);
-  return int64_t(kTileRows) * (ldq + ldv) * elem + int64_t(2) * kQueryTileCols * (ldq + ldv) * elem +
+  return int64_t(kTileRows) * (ldq + ldv) * elem + int64_t(stages) * kQueryTileCols * (ldq + ldv) * elem +
          int64_t(2) * kTileRows * kGradPitch * elem +
-         int64_t(4) * (2 * kQueryTileCols * kQueryRecord + kTileRows * kKeyRecord + kTileRows * kKeySlotGrads / 2 +
-                       kKeyThreads * kKeySlotGrads);
+         int64_t(4) * (stages * kQueryTileCols * kQueryRecord + kTileRows * kKeyRecord +
+                       kTileRows * kKeySlotGrads / 2 + kKeyThreads * kKeySlotGrads);
 }
 
 // Launches 2 and 4: CTA per (kSweepSplitKeys keys, query tile of the chunk, b * G), like
 // launch 1's: one key tile, so the per-chunk launches fill the GPU. The dL' sweep's shared
 // memory (111 KiB at dh = dv = 128) leaves 2 CTAs an sm_90 SM: its bound of 2 lets ptxas
 // use the registers (at the default it stopped at 168 and spilled on sm_90).
-template <typename T, bool Pre>
+template <typename T, bool Pre, int Stages = kBufferStages>
 __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const MmaAttnBwdParams bp) {
   const MmaAttnParams& mp = bp.m;
   const AttnParams& p = mp.f;
@@ -339,13 +348,14 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
   if (hi <= lo) return;
   const int kt_lo = lo / kTileKeys, kt_hi = (hi + kTileKeys - 1) / kTileKeys;
 
+  constexpr int stages = Stages;  // buffers of an item's tiles (2, or 1 where two do not fit)
   unsigned char* base = hw::dynamic_shared_memory();
-  T* obuf = reinterpret_cast<T*>(base);       // [2][64][ldv] dO
-  T* vbuf = obuf + 2 * kTileRows * ldv;        // [2][32][ldv] V
-  T* qbuf = vbuf + 2 * kTileKeys * ldv;        // [2][64][ldq] Q (Pre)
-  T* kbuf = qbuf + (Pre ? 2 * kTileRows * ldq : 0);  // [2][32][ldq] K (Pre)
-  float* rowf = reinterpret_cast<float*>(kbuf + (Pre ? 2 * kTileKeys * ldq : 0));  // [2][13][65]
-  float* colf = rowf + 2 * kQuerySide * kRowPitch;                                  // [2][10][33]
+  T* obuf = reinterpret_cast<T*>(base);            // [stages][64][ldv] dO
+  T* vbuf = obuf + stages * kTileRows * ldv;        // [stages][32][ldv] V
+  T* qbuf = vbuf + stages * kTileKeys * ldv;        // [stages][64][ldq] Q (Pre)
+  T* kbuf = qbuf + (Pre ? stages * kTileRows * ldq : 0);  // [stages][32][ldq] K (Pre)
+  float* rowf = reinterpret_cast<float*>(kbuf + (Pre ? stages * kTileKeys * ldq : 0));  // [stages][13][65]
+  float* colf = rowf + stages * kQuerySide * kRowPitch;                                  // [stages][10][33]
 
   // Pre = false reads W2 of the post slots; Pre = true P, dP and W2 of the pre slots.
   constexpr unsigned kPostW2 = (1u << kW2Post) | (1u << (kW2Post + 1));
@@ -361,7 +371,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
   const int n_items = (kt_hi - kt_lo) * hg;
   auto issue = [&](int item) {
     if (item < n_items) {
-      const int kt = kt_lo + item / hg, n = item % hg, stage = item & 1, s0 = kt * kTileKeys;
+      const int kt = kt_lo + item / hg, n = item % hg, stage = item & (stages - 1), s0 = kt * kTileKeys;
       const int64_t head = static_cast<int64_t>(b) * H + h0 + n;
       load_rows(obuf + stage * kTileRows * ldv, dout + head * TT * p.dv, q0, kTileRows, TT, p.dv, mp.dv_pad, mp.vec16);
       load_rows(vbuf + stage * kTileKeys * ldv, v + head * TT * p.dv, s0, kTileKeys, TT, p.dv, mp.dv_pad, mp.vec16);
@@ -388,11 +398,13 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
   constexpr unsigned kPreWords = part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartDC) | part_bits(kPartDD);
   constexpr bool kHoldWords = !std::is_same<T, float>::value;
   PartWordOf<T> pw[kKeyN8][2][kBwdPartWords][2] = {};
-  issue(0);
+  // Two stages: item + 1's tiles load while item's are used. One: item's load after item - 1's
+  // products (the barrier), waited for before its own.
+  if constexpr (stages == 2) issue(0);
   for (int item = 0; item < n_items; ++item) {
-    const int kt = kt_lo + item / hg, n = item % hg, stage = item & 1, s0 = kt * kTileKeys;
+    const int kt = kt_lo + item / hg, n = item % hg, stage = item & (stages - 1), s0 = kt * kTileKeys;
     __syncthreads();  // every warp is done with the stage of item - 1
-    issue(item + 1);
+    issue(stages == 2 ? item + 1 : item);
     if (n == 0) {
 HW_UNROLL
       for (int r = 0; r < kR; ++r)
@@ -408,7 +420,7 @@ HW_UNROLL
             load_fragment_words<kPreWords>(pw[j][h], part, plane, q0, s0, mp.chunk0, TT, j, h, warp, lane);
       }
     }
-    hw::cp_async_wait<1>();
+    hw::cp_async_wait<stages - 1>();
     __syncthreads();
     float dpp[kKeyN8][4], sc[kKeyN8][4];
     qk_tile<T>(dpp, obuf + stage * kTileRows * ldv, vbuf + stage * kTileKeys * ldv, ldv, mp.dv_pad, warp, lane, 1.f);
@@ -697,7 +709,7 @@ __host__ __device__ inline int key_half_n8(int n8, int hf) {
   return hf == 0 ? key_half_first(n8, 1) : n8 - key_half_first(n8, 1);
 }
 
-template <typename T, int DTiles>
+template <typename T, int DTiles, int Stages = kBufferStages>
 __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttnBwdParams bp) {
   const MmaAttnParams& mp = bp.m;
   const AttnParams& p = mp.f;
@@ -722,17 +734,18 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   const int dv0 = key_half_first(mp.dv_pad / 8, hf), dv8 = key_half_n8(mp.dv_pad / 8, hf);
   const int64_t head = static_cast<int64_t>(b) * H + m;
 
+  constexpr int stages = Stages;  // buffers of the query tiles (2, or 1 where two do not fit)
   unsigned char* base = hw::dynamic_shared_memory();
   T* ks = reinterpret_cast<T*>(base);            // [64][ldq] K
   T* vs = ks + kTileRows * ldq;                   // [64][ldv] V
-  T* qbuf = vs + kTileRows * ldv;                 // [2][32][ldq] Q
-  T* obuf = qbuf + 2 * kQueryTileCols * ldq;      // [2][32][ldv] dO
-  T* ppt = obuf + 2 * kQueryTileCols * ldv;       // [64][kGradPitch] P'^T
+  T* qbuf = vs + kTileRows * ldv;                 // [stages][32][ldq] Q
+  T* obuf = qbuf + stages * kQueryTileCols * ldq;  // [stages][32][ldv] dO
+  T* ppt = obuf + stages * kQueryTileCols * ldv;  // [64][kGradPitch] P'^T
   T* dlt = ppt + kTileRows * kGradPitch;          // [64][kGradPitch] (scale dL)^T
   // [kKeyThreads][kKeySlotGrads] (16-byte aligned rows): each thread's running slot grads
   float* own_block = reinterpret_cast<float*>(dlt + kTileRows * kGradPitch);
-  float* colf = own_block + kKeyThreads * kKeySlotGrads;  // [2][32][kQueryRecord] the query tiles' side records
-  float* rowk = colf + 2 * kQueryTileCols * kQueryRecord;  // [64][kKeyRecord] those of the CTA's keys
+  float* colf = own_block + kKeyThreads * kKeySlotGrads;  // [stages][32][kQueryRecord] the query tiles' side records
+  float* rowk = colf + stages * kQueryTileCols * kQueryRecord;  // [64][kKeyRecord] those of the CTA's keys
   float* half1 = rowk + kTileRows * kKeyRecord;           // [64][10] half 1's slot grads of each key
   float* own = own_block + threadIdx.x * kKeySlotGrads;
 
@@ -749,7 +762,7 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   load_rows(vs, static_cast<const T*>(p.v) + head * TT * p.dv, s0, kTileRows, TT, p.dv, mp.dv_pad, mp.vec16);
   auto issue = [&](int i) {
     if (i < n_tiles) {
-      const int t0 = t_lo + i * kQueryTileCols, stage = i & 1;
+      const int t0 = t_lo + i * kQueryTileCols, stage = i & (stages - 1);
       load_rows(qbuf + stage * kQueryTileCols * ldq, q, t0, kQueryTileCols, TT, p.dh, mp.dh_pad, mp.vec16);
       load_rows(obuf + stage * kQueryTileCols * ldv, dout, t0, kQueryTileCols, TT, p.dv, mp.dv_pad, mp.vec16);
       load_side_records(colf + stage * kQueryTileCols * kQueryRecord, wt_head, t0, kQueryTileCols, kQueryRecord, TT,
@@ -788,12 +801,14 @@ HW_UNROLL
 
   constexpr unsigned kMask = part_bits(kPartA) | part_bits(kPartB) | part_bits(kPartC) | part_bits(kPartD) |
                              part_bits(kPartDC) | part_bits(kPartDD) | part_bits(kPartDA) | part_bits(kPartDB);
-  issue(0);
+  // Two stages: tile i + 1 loads while tile i is used; one: tile i loads after tile i - 1's
+  // products (the K, V tiles and key records join tile 0's group either way).
+  if constexpr (stages == 2) issue(0);
   for (int i = 0; i < n_tiles; ++i) {
-    const int stage = i & 1, t0 = t_lo + i * kQueryTileCols;
+    const int stage = i & (stages - 1), t0 = t_lo + i * kQueryTileCols;
     __syncthreads();  // every warp is done with tile i - 1: its stage and the P'^T, dL^T tiles
-    issue(i + 1);
-    hw::cp_async_wait<1>();
+    issue(stages == 2 ? i + 1 : i);
+    hw::cp_async_wait<stages - 1>();
     __syncthreads();
     const T* qt = qbuf + stage * kQueryTileCols * ldq;
     const T* ot = obuf + stage * kQueryTileCols * ldv;

@@ -296,20 +296,29 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
 // forward (forward_takes_tensor_cores: the same truncated operands; it reads torch's TF32
 // setting, which must be the forward's: the autograd wrapper raises where it changed), dh and
 // dv padded to at most 128 (the dq / dk / dv accumulators of a warp's 16 rows), every kernel's shared
-// memory within the device's opt-in limit (fp32 tiles are twice the bytes: at dh = dv = 128
-// the dL' sweep takes 207 KiB, which sm_90 holds and sm_80 does not), grids within CUDA's
-// limits.
+// memory within the device's opt-in limit with its streamed tiles in one buffer where two do
+// not fit (buffer_stages: at dh = dv = 128, fp32's dL' sweep and key kernel on sm_80's 163 KiB,
+// bf16's on the 99 KiB parts, where the rowsum also takes one head a CTA), grids within
+// CUDA's limits.
 inline bool mma_backward_fits(const AttnShape& s, const AttnParams& p, at::ScalarType dtype, int dh_pad, int dv_pad) {
   const size_t limit = hw::max_dynamic_smem_optin();
   const int elem = static_cast<int>(c10::elementSize(dtype));
   const int64_t need =
-      std::max({mma_loop_smem_bytes(p.hg, dh_pad, elem), bwd_sweep_smem_bytes(true, dh_pad, dv_pad, elem),
-                bwd_rows_smem_bytes(dh_pad, dv_pad, rowsum_heads(p.hg, elem), elem),
-                bwd_keys_smem_bytes(dh_pad, dv_pad, elem), transpose_smem_bytes()});
+      std::max({mma_loop_smem_bytes(p.hg, dh_pad, elem), bwd_sweep_smem_bytes(true, dh_pad, dv_pad, elem, 1),
+                bwd_sweep_smem_bytes(false, dh_pad, dv_pad, elem, 1),
+                bwd_rows_smem_bytes(dh_pad, dv_pad, 1, elem),
+                bwd_keys_smem_bytes(dh_pad, dv_pad, elem, 1), transpose_smem_bytes()});
   return (dtype != at::kFloat || forward_takes_tensor_cores(s, p, dtype, dh_pad, dv_pad)) && dh_pad <= 128 &&
          dv_pad <= 128 && static_cast<size_t>(need) <= limit &&
          static_cast<int64_t>(p.B) * (p.H / p.hg) <= 65535 && p.B <= 65535 && p.H <= 65535 &&
          (static_cast<int64_t>(p.T) + kTileRows - 1) / kTileRows * kRowsumKeySplits <= 65535;
+}
+
+// Buffers of a backward kernel's streamed tiles: kBufferStages where they fit the device's
+// opt-in shared memory (smem_bytes(stages)), else 1.
+template <typename SmemBytes>
+inline int buffer_stages(SmemBytes smem_bytes) {
+  return static_cast<size_t>(smem_bytes(kBufferStages)) <= hw::max_dynamic_smem_optin() ? kBufferStages : 1;
 }
 
 // 1 / Z of the forward's row sums Z (0 where Z = 0: a row with no kept key), correctly
@@ -363,26 +372,35 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   bp.rowsum_pitch = static_cast<int>(rowsum_pitch);
   const size_t wt_smem = static_cast<size_t>(transpose_smem_bytes());
   const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad, elem));
-  const size_t post_smem = static_cast<size_t>(bwd_sweep_smem_bytes(false, dh_pad, dv_pad, elem));
-  const size_t pre_smem = static_cast<size_t>(bwd_sweep_smem_bytes(true, dh_pad, dv_pad, elem));
-  const int rs_heads = rowsum_heads(p.hg, elem);
+  const int post_stages = buffer_stages([&](int st) { return bwd_sweep_smem_bytes(false, dh_pad, dv_pad, elem, st); });
+  const int pre_stages = buffer_stages([&](int st) { return bwd_sweep_smem_bytes(true, dh_pad, dv_pad, elem, st); });
+  const size_t post_smem = static_cast<size_t>(bwd_sweep_smem_bytes(false, dh_pad, dv_pad, elem, post_stages));
+  const size_t pre_smem = static_cast<size_t>(bwd_sweep_smem_bytes(true, dh_pad, dv_pad, elem, pre_stages));
+  // Two heads a rowsum CTA where the group's size and the words allow (rowsum_heads) and
+  // their Q, dO tiles fit the device (not at dh = dv = 128 on the 99 KiB parts), else one.
+  const int rs_heads = rowsum_heads(p.hg, elem) == 2 && static_cast<size_t>(bwd_rows_smem_bytes(
+                           dh_pad, dv_pad, 2, elem)) <= hw::max_dynamic_smem_optin() ? 2 : 1;
   const size_t rowsum_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad, rs_heads, elem));
   const size_t rows_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad, 1, elem));
-  const size_t keys_smem = static_cast<size_t>(bwd_keys_smem_bytes(dh_pad, dv_pad, elem));
+  const int key_stages = buffer_stages([&](int st) { return bwd_keys_smem_bytes(dh_pad, dv_pad, elem, st); });
+  const size_t keys_smem = static_cast<size_t>(bwd_keys_smem_bytes(dh_pad, dv_pad, elem, key_stages));
   const unsigned bg = static_cast<unsigned>(p.B * groups), H = static_cast<unsigned>(p.H),
                  B = static_cast<unsigned>(p.B);
   dispatch_storage_dtype(q.scalar_type(), "dcmha_attention_backward", "q", [&](auto tag) {
     using T = decltype(tag);
     auto kw = &dcmha_attn_weights_t;
     auto kp = &dcmha_attn_sweep<T, true>;
-    auto k_post = &dcmha_attn_bwd_sweep<T, false>;
-    auto k_pre = &dcmha_attn_bwd_sweep<T, true>;
+    auto k_post = post_stages == 1 ? &dcmha_attn_bwd_sweep<T, false, 1> : &dcmha_attn_bwd_sweep<T, false>;
+    auto k_pre = pre_stages == 1 ? &dcmha_attn_bwd_sweep<T, true, 1> : &dcmha_attn_bwd_sweep<T, true>;
     auto k_rowsum = &dcmha_attn_bwd_rows<T, false, 4, 1>;
     if constexpr (!std::is_same<T, float>::value) {  // fp32 takes one head a CTA (rowsum_heads)
       if (rs_heads == 2) k_rowsum = &dcmha_attn_bwd_rows<T, false, 4, 2>;
     }
     auto k_dq = dh_pad <= 32 ? &dcmha_attn_bwd_rows<T, true, 4, 1> : &dcmha_attn_bwd_rows<T, true, 16, 1>;
-    auto k_keys = std::max(dh_pad, dv_pad) <= 32 ? &dcmha_attn_bwd_keys<T, 2> : &dcmha_attn_bwd_keys<T, 8>;
+    // One buffer only where two do not fit, which at dh, dv <= 32 they always do.
+    auto k_keys = key_stages == 1                    ? &dcmha_attn_bwd_keys<T, 8, 1>
+                  : std::max(dh_pad, dv_pad) <= 32 ? &dcmha_attn_bwd_keys<T, 2>
+                                                   : &dcmha_attn_bwd_keys<T, 8>;
     const char* op = "dcmha_attention_backward";
     hw::allow_dynamic_smem(op, kw, wt_smem);
     hw::allow_dynamic_smem(op, kp, loop_smem);

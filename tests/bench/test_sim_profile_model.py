@@ -208,3 +208,19 @@ def test_gemm_rows_carry_the_ops_dtype_and_refuse_fp32(monkeypatch):
     with pytest.raises(ValueError, match="16-bit"):
         sp.gemm_rows("qkv")
     assert sp.gemm_rows("dcmha_tf32") == []  # no library GEMM in the fused attention
+
+
+def test_every_launch_function_is_in_the_committed_tables():
+    # LAUNCH_FUNCTIONS names the exact instantiation of each launch; the committed ptxas and
+    # SASS tables (bench/) must hold it, or the profile silently loses registers and the
+    # issue term when a kernel's template arguments change.
+    from headwise.bench import ptxas, sass
+    from headwise.bench.sim_profile import LAUNCH_FUNCTIONS, launch_report
+
+    regs, loops = ptxas.load("90"), sass.load("90")
+    if not regs or not loops:
+        pytest.skip("no bench/ tables in this checkout")
+    for key in LAUNCH_FUNCTIONS:
+        kernel, dtype = key if isinstance(key, tuple) else (key, "bfloat16")
+        assert launch_report(regs, kernel, dtype, key=lambda r: 0) is not None, (kernel, dtype, "ptxas")
+        assert launch_report(loops, kernel, dtype, key=lambda r: 0) is not None, (kernel, dtype, "sass")

@@ -511,11 +511,12 @@ LAUNCH_FUNCTIONS = {
     "dcmha_attn_stats": ("dcmha_attn_sweep", "false"),
     "dcmha_attn_partials": ("dcmha_attn_sweep", "true"),
     "dcmha_attn_output": ("dcmha_attn_output", "16"),
-    "dcmha_attn_bwd_dpost": ("dcmha_attn_bwd_sweep", "false"),
-    "dcmha_attn_bwd_dpre": ("dcmha_attn_bwd_sweep", "true"),
+    # The backward's sweeps and key kernel at the target: two buffers of their streamed tiles.
+    "dcmha_attn_bwd_dpost": ("dcmha_attn_bwd_sweep", "false, 2"),
+    "dcmha_attn_bwd_dpre": ("dcmha_attn_bwd_sweep", "true, 2"),
     "dcmha_attn_bwd_rowsum": ("dcmha_attn_bwd_rows", "false, 4, 2"),
     "dcmha_attn_bwd_dq": ("dcmha_attn_bwd_rows", "true, 16, 1"),
-    "dcmha_attn_bwd_dkv": ("dcmha_attn_bwd_keys", "8"),
+    "dcmha_attn_bwd_dkv": ("dcmha_attn_bwd_keys", "8, 2"),
     # fp32 (TF32) takes one head a rowsum CTA (rowsum_heads).
     ("dcmha_attn_bwd_rowsum", "float32"): ("dcmha_attn_bwd_rows", "false, 4, 1"),
 }
