@@ -348,6 +348,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) dcmha_attn_bwd_sweep(const Mma
   if (hi <= lo) return;
   const int kt_lo = lo / kTileKeys, kt_hi = (hi + kTileKeys - 1) / kTileKeys;
 
+  static_assert(Stages == 1 || Stages == 2, "one or two buffers of the streamed tiles");
   constexpr int stages = Stages;  // buffers of an item's tiles (2, or 1 where two do not fit)
   unsigned char* base = hw::dynamic_shared_memory();
   T* obuf = reinterpret_cast<T*>(base);            // [stages][64][ldv] dO
@@ -734,6 +735,7 @@ __global__ void __launch_bounds__(kKeyThreads) dcmha_attn_bwd_keys(const MmaAttn
   const int dv0 = key_half_first(mp.dv_pad / 8, hf), dv8 = key_half_n8(mp.dv_pad / 8, hf);
   const int64_t head = static_cast<int64_t>(b) * H + m;
 
+  static_assert(Stages == 1 || Stages == 2, "one or two buffers of the streamed tiles");
   constexpr int stages = Stages;  // buffers of the query tiles (2, or 1 where two do not fit)
   unsigned char* base = hw::dynamic_shared_memory();
   T* ks = reinterpret_cast<T*>(base);            // [64][ldq] K
