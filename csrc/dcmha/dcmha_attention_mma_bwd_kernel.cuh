@@ -489,10 +489,11 @@ HW_UNROLL
 // Launches 3 (Dq = false: D, slot-2 grads, per key split) and 5 (Dq = true: dq, slot-0
 // grads): CTA per (Heads heads m0.., [key split,] query tile of the chunk, b), heads fastest
 // in the grid (the group's heads of a tile read the same scratch words: run together, they
-// read them from HBM once, then from L2). DTiles bounds dh_pad / 8. Heads = 2 (launch 3 where the group's size is even): the CTA's two heads share
-// the scratch words of each (t, s), loaded once per key tile and kept in registers for the
-// second head (the scratch reads, 20 B per (t, s) and head at one head a CTA, bound launch 3
-// by L2); its items (key tile, head) are double-buffered, the two heads' Q and dO resident.
+// read them from HBM once, then from L2). DTiles bounds dh_pad / 8. Heads = 2 (launch 3
+// where the group's size is even): the CTA's two heads share the scratch words of each
+// (t, s), loaded once per key tile and kept in registers for the second head (the scratch
+// reads, 20 B per (t, s) and head at one head a CTA, bound launch 3 by L2); its items (key
+// tile, head) are double-buffered, the two heads' Q and dO resident.
 template <typename T, bool Dq, int DTiles, int Heads>
 __global__ void __launch_bounds__(kMmaThreads) dcmha_attn_bwd_rows(const MmaAttnBwdParams bp) {
   static_assert(Heads == 1 || (Heads == 2 && !Dq), "two heads a CTA in launch 3 only (dq holds a dq tile a head)");
@@ -681,8 +682,8 @@ HW_UNROLL
 // the group's heads of a key tile read the same scratch words (32 B per (t, s), four times
 // the bytes of its query side), so they run together and the words come from HBM once,
 // then from L2; a grid with key tiles fastest would run a tile's heads 64 CTAs apart at
-// T = 4096, with the chunk's whole scratch (64 MiB a b at 512 rows) between them. Rows of the fragments are
-// keys s, columns queries t. Per query tile, warp w (key slab ks = w % 4: keys 16 ks..;
+// T = 4096, with the chunk's whole scratch (64 MiB a b at 512 rows) between them. Rows of
+// the fragments are keys s, columns queries t. Per query tile, warp w (key slab ks = w % 4: keys 16 ks..;
 // half hf = w / 4):
 //   1. S^T = K Q^T and dP'^T = V dO^T of its 16 keys x the 16 queries 16 hf.. on mma;
 //   2. on the fragments: P, P' (-> dv), dL' and dL (-> dk), the slot-3 (P, dP') and slot-1

@@ -130,6 +130,7 @@ constexpr int kOutFields = 6;                 // W2 r0 r1, G of the pre and post
 // forward + backward ~1.04x its balanced time, 256 MiB 512 / 256 rows and ~1.07x
 // (python -m headwise.bench.launch_balance, an ESTIMATE).
 constexpr int64_t kScratchBytes = int64_t(512) << 20;
+constexpr int kFwdPartWords = 4;  // the forward's scratch planes: a, b, c, d (both ranks a word)
 
 struct MmaAttnParams {
   AttnParams f;
@@ -137,7 +138,7 @@ struct MmaAttnParams {
   uint32_t* partials;  // [B * G, pwords, chunk, T] PartWord: words 0-3 (a, b, c, d) written by the partials kernel
   float* split_stats;  // [splits, 2, B * H, chunk]: (M, Z) of each key split, by the statistics sweep
   int wfields;       // kWeightFields in the forward, kBwdWeightFields in the backward
-  int pwords;        // 4 in the forward, kBwdPartWords in the backward
+  int pwords;        // kFwdPartWords in the forward, kBwdPartWords in the backward
   int ab_saved;      // 1: the statistics sweep wrote words 0-1 (a, b) of the chunk; the partials sweep
                      // reads them and skips its sweep A (the forward); 0: it makes them (the backward)
   int chunk0;        // first query row of this chunk

@@ -91,12 +91,14 @@ inline int64_t compose_layout(ComposeParams& p, int64_t elem, int ntiles, int ro
   return lead + ring + round16(scratch_per_row * rows + scratch);
 }
 
-// The forward's / bwd_query's layout; rows per stage 2 where it fits the device, else 1.
-inline int64_t fit_rows(const std::function<int64_t(int)>& layout) {
-  const int64_t two = layout(2);
-  if (two <= static_cast<int64_t>(hw::max_dynamic_smem_optin())) return two;
-  return layout(1);
+// 2 where the shared memory layout(2) fits the device's opt-in limit, else 1: rows a stage of
+// the compose kernels, buffers of the attention backward's streamed tiles, heads a rowsum CTA.
+inline int two_where_it_fits(const std::function<int64_t(int)>& layout) {
+  return layout(2) <= static_cast<int64_t>(hw::max_dynamic_smem_optin()) ? 2 : 1;
 }
+
+// The forward's / bwd_query's layout; rows per stage 2 where it fits the device, else 1.
+inline int64_t fit_rows(const std::function<int64_t(int)>& layout) { return layout(two_where_it_fits(layout)); }
 
 inline bool aligned16_ptr(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
@@ -164,12 +166,9 @@ inline int rows_vec16(const AttnParams& p, int elem, std::initializer_list<const
          std::all_of(rows.begin(), rows.end(), [](const void* ptr) { return aligned16(ptr); });
 }
 
-// Whether fp32 inputs may take the tensor cores as TF32: where torch lets its own float32
-// matmuls use TF32 (hw::cuda_matmul_allows_tf32), as the head merge decides (merge_launch.h).
-inline bool tf32_allowed() { return hw::cuda_matmul_allows_tf32(); }
-
 // Whether the forward takes the tensor-core kernels (dcmha_attention_mma_kernel.cuh): bf16 /
-// fp16, and fp32 where torch allows TF32 matmuls, with dv <= 128, where their shared memory
+// fp16, and fp32 where torch lets its own float32 matmuls use TF32 (as the head merge
+// decides, merge_launch.h), with dv <= 128, where their shared memory
 // fits the device (the sweeps' row statistics grow with hg, 0.5 KiB a head; fp32 tiles are
 // twice the bytes) and their grids fit CUDA's limits (B * groups on z). fp32 at full
 // precision, wider dv and the rest take the SIMT kernel. The backward asks it too: after a
@@ -178,7 +177,7 @@ inline bool forward_takes_tensor_cores(const AttnShape& s, const AttnParams& p, 
                                        int dv_pad) {
   const size_t smem_limit = hw::max_dynamic_smem_optin();
   const int elem = static_cast<int>(c10::elementSize(dtype));
-  return (dtype != at::kFloat || tf32_allowed()) && dv_pad <= 128 &&
+  return (dtype != at::kFloat || hw::cuda_matmul_allows_tf32()) && dv_pad <= 128 &&
          static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad, elem)) <= smem_limit &&
          static_cast<size_t>(mma_out_smem_bytes(dh_pad, dv_pad, elem)) <= smem_limit &&
          s.batch * s.head_groups <= 65535 && s.batch <= 65535 && s.heads <= 65535 &&
@@ -239,7 +238,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
   const int64_t groups = p.H / p.hg;
   const int64_t splits = (p.T + kStatsSplitKeys - 1) / kStatsSplitKeys;
   const int elem = static_cast<int>(q.element_size());
-  const int64_t chunk = std::min(query_chunk_rows(p, 4, elem),
+  const int64_t chunk = std::min(query_chunk_rows(p, kFwdPartWords, elem),
                                  chunk_rows_under_cap(p.T, static_cast<int64_t>(p.B) * p.H * 2 * splits * 4));
   const at::TensorOptions fopt = q.options().dtype(at::kFloat);
   at::Tensor wt = at::empty({p.B, p.H, kWeightFields, p.T}, fopt);
@@ -247,7 +246,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
   mp.f = p;
   mp.wt = wt.data_ptr<float>();
   mp.wfields = kWeightFields;
-  mp.pwords = 4;
+  mp.pwords = kFwdPartWords;
   mp.ab_saved = 1;
   mp.dh_pad = dh_pad;
   mp.dv_pad = dv_pad;
@@ -272,7 +271,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
     // split_stats [splits, 2, B H, chunk] is indexed by the absolute split: the combine reads
     // the splits of each row's band.
     at::Tensor split_stats = at::empty({splits, 2, static_cast<int64_t>(p.B) * p.H, chunk}, fopt);
-    at::Tensor partials = part_scratch(p, 4, chunk, elem, q.options(), false);
+    at::Tensor partials = part_scratch(p, kFwdPartWords, chunk, elem, q.options(), false);
     mp.split_stats = split_stats.data_ptr<float>();
     mp.partials = static_cast<PartWord*>(partials.data_ptr());
     mp.chunk = static_cast<int>(chunk);
@@ -297,7 +296,7 @@ inline void launch_mma_attention(const AttnParams& p, const at::Tensor& q, const
 // setting, which must be the forward's: the autograd wrapper raises where it changed), dh and
 // dv padded to at most 128 (the dq / dk / dv accumulators of a warp's 16 rows), every kernel's shared
 // memory within the device's opt-in limit with its streamed tiles in one buffer where two do
-// not fit (buffer_stages: at dh = dv = 128, fp32's dL' sweep and key kernel on sm_80's 163 KiB,
+// not fit (two_where_it_fits: at dh = dv = 128, fp32's dL' sweep and key kernel on sm_80's 163 KiB,
 // bf16's on the 99 KiB parts, where the rowsum also takes one head a CTA), grids within
 // CUDA's limits.
 inline bool mma_backward_fits(const AttnShape& s, const AttnParams& p, at::ScalarType dtype, int dh_pad, int dv_pad) {
@@ -312,13 +311,6 @@ inline bool mma_backward_fits(const AttnShape& s, const AttnParams& p, at::Scala
          dv_pad <= 128 && static_cast<size_t>(need) <= limit &&
          static_cast<int64_t>(p.B) * (p.H / p.hg) <= 65535 && p.B <= 65535 && p.H <= 65535 &&
          (static_cast<int64_t>(p.T) + kTileRows - 1) / kTileRows * kRowsumKeySplits <= 65535;
-}
-
-// Buffers of a backward kernel's streamed tiles: kBufferStages where they fit the device's
-// opt-in shared memory (smem_bytes(stages)), else 1.
-template <typename SmemBytes>
-inline int buffer_stages(SmemBytes smem_bytes) {
-  return static_cast<size_t>(smem_bytes(kBufferStages)) <= hw::max_dynamic_smem_optin() ? kBufferStages : 1;
 }
 
 // 1 / Z of the forward's row sums Z (0 where Z = 0: a row with no kept key), correctly
@@ -372,17 +364,21 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   bp.rowsum_pitch = static_cast<int>(rowsum_pitch);
   const size_t wt_smem = static_cast<size_t>(transpose_smem_bytes());
   const size_t loop_smem = static_cast<size_t>(mma_loop_smem_bytes(p.hg, dh_pad, elem));
-  const int post_stages = buffer_stages([&](int st) { return bwd_sweep_smem_bytes(false, dh_pad, dv_pad, elem, st); });
-  const int pre_stages = buffer_stages([&](int st) { return bwd_sweep_smem_bytes(true, dh_pad, dv_pad, elem, st); });
+  const int post_stages =
+      two_where_it_fits([&](int st) { return bwd_sweep_smem_bytes(false, dh_pad, dv_pad, elem, st); });
+  const int pre_stages =
+      two_where_it_fits([&](int st) { return bwd_sweep_smem_bytes(true, dh_pad, dv_pad, elem, st); });
   const size_t post_smem = static_cast<size_t>(bwd_sweep_smem_bytes(false, dh_pad, dv_pad, elem, post_stages));
   const size_t pre_smem = static_cast<size_t>(bwd_sweep_smem_bytes(true, dh_pad, dv_pad, elem, pre_stages));
   // Two heads a rowsum CTA where the group's size and the words allow (rowsum_heads) and
   // their Q, dO tiles fit the device (not at dh = dv = 128 on the 99 KiB parts), else one.
-  const int rs_heads = rowsum_heads(p.hg, elem) == 2 && static_cast<size_t>(bwd_rows_smem_bytes(
-                           dh_pad, dv_pad, 2, elem)) <= hw::max_dynamic_smem_optin() ? 2 : 1;
+  const int rs_heads = rowsum_heads(p.hg, elem) == 2
+                           ? two_where_it_fits([&](int h) { return bwd_rows_smem_bytes(dh_pad, dv_pad, h, elem); })
+                           : 1;
   const size_t rowsum_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad, rs_heads, elem));
   const size_t rows_smem = static_cast<size_t>(bwd_rows_smem_bytes(dh_pad, dv_pad, 1, elem));
-  const int key_stages = buffer_stages([&](int st) { return bwd_keys_smem_bytes(dh_pad, dv_pad, elem, st); });
+  const int key_stages =
+      two_where_it_fits([&](int st) { return bwd_keys_smem_bytes(dh_pad, dv_pad, elem, st); });
   const size_t keys_smem = static_cast<size_t>(bwd_keys_smem_bytes(dh_pad, dv_pad, elem, key_stages));
   const unsigned bg = static_cast<unsigned>(p.B * groups), H = static_cast<unsigned>(p.H),
                  B = static_cast<unsigned>(p.B);

@@ -181,6 +181,7 @@ def test_the_scratch_cap_is_the_kernels():
     assert m, "kScratchBytes not found"
     assert int(m.group(1)) << int(m.group(2)) == lb.SCRATCH_BYTES
     for text, name, value in ((fwd, "kTileRows", lb.TILE_ROWS), (fwd, "kStatsSplitKeys", lb.STATS_SPLIT_KEYS),
+                              (fwd, "kFwdPartWords", lb.FORWARD_PART_WORDS),
                               (bwd, "kBwdPartFields", 2 * lb.BACKWARD_PART_WORDS)):
         m = re.search(rf"constexpr int {name} = (\d+);", text)
         assert m and int(m.group(1)) == value, name

@@ -62,7 +62,7 @@ SMS = 132
 SCRATCH_BYTES = 512 << 20
 TILE_ROWS = 64  # kTileRows: query rows per CTA, the chunk's granularity
 STATS_SPLIT_KEYS = 64  # kStatsSplitKeys: keys per split of the forward's split statistics
-FORWARD_PART_WORDS = 4  # the forward's scratch planes (a, b, c, d)
+FORWARD_PART_WORDS = 4  # kFwdPartWords: the forward's scratch planes (a, b, c, d)
 BACKWARD_PART_WORDS = 8  # kBwdPartWords (dcmha_attention_mma_bwd_kernel.cuh)
 # The H200's measurement of SDPA flash (plain MHA, the target shape), issue 16's baseline.
 FLASH_MEASURED = BENCH_DIR / "h200_2026-11-30" / "targets_dcmha_backward.json"
