@@ -47,7 +47,10 @@
 //     from shared memory; pass 2 rereads the rows from shared memory and emits the
 //     gradients with no reduction, with the rows' source and the accumulation into
 //     grad_sources as compile-time variants. The weights are loaded once per position,
-//     coalesced, into shared memory.
+//     coalesced, into shared memory. Pass 2 (vector layout) reads an item's coefficients
+//     gate w, r dl, dl as one 16-byte record formed once per (n, h), and addresses its
+//     packs from row pointers stepped a row each: ~36 instructions a row less than two
+//     scalar loads, two products and per-item 64-bit address arithmetic (sm_90 SASS).
 //   - Query / norm-weight / gate gradients: per-segment partials (kBwdSegment consecutive
 //     positions, summed in position order by one CTA) and a second kernel that sums the
 //     segments' partials column-parallel in a fixed tree: bitwise deterministic and
@@ -208,13 +211,21 @@ __host__ __device__ inline int64_t bwd_head_scratch_floats(HeadReduce mode, int 
 
 // Backward dynamic smem (floats): BlockSum scratch (64), the head-reduction scratch, per
 // position (two, by parity) w, a, b, sum of squares and dl [N, H], r_n and r_n^3 c_n / d
-// [N], the parameter slices; then, with stage_rows, the staged rows (bytes, 16-aligned).
+// [N], the parameter slices; then, 16-byte aligned, per position (two, by parity) pass 2's
+// coefficient records [N, H] (bwd_records_offset); then, with stage_rows, the staged
+// rows (bytes, 16-aligned).
 __host__ __device__ inline int64_t bwd_pos_floats(int64_t n, int64_t heads) { return 5 * n * heads + 2 * n; }
-__host__ __device__ inline int64_t bwd_smem_floats(HeadReduce mode, int vec, int64_t nvec, int rows, int64_t n,
-                                                   int64_t heads, int64_t param_floats) {
+// Floats of one pass-2 coefficient record: gate w, r dl, dl of an (n, h) and a pad word.
+constexpr int kBwdRecordFloats = 4;
+__host__ __device__ inline int64_t bwd_records_offset(HeadReduce mode, int vec, int64_t nvec, int rows, int64_t n,
+                                                      int64_t heads, int64_t param_floats) {
   const int64_t f =
       64 + bwd_head_scratch_floats(mode, vec, nvec, rows, n) + 2 * bwd_pos_floats(n, heads) + param_floats;
   return (f + 3) / 4 * 4;
+}
+__host__ __device__ inline int64_t bwd_smem_floats(HeadReduce mode, int vec, int64_t nvec, int rows, int64_t n,
+                                                   int64_t heads, int64_t param_floats) {
+  return bwd_records_offset(mode, vec, nvec, rows, n, heads, param_floats) + 2 * kBwdRecordFloats * n * heads;
 }
 
 // The thread's ITEMS x VEC values of a [d]-sized fp32 vector: in registers, or (IN_SMEM,
@@ -846,9 +857,11 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
   float* pos_smem = smem + 64 + bwd_head_scratch_floats(MODE, VEC, nvec, ROWS, num_src);
   const int pos_floats = static_cast<int>(bwd_pos_floats(num_src, heads));
   float* slices = pos_smem + 2 * pos_floats;
+  const int64_t param_floats = param_slice_floats(kSlices, ITEMS, nthreads, VEC);
+  float* records = smem + bwd_records_offset(MODE, VEC, nvec, ROWS, num_src, heads, param_floats);
   // Staged rows: [n][i][tid] packs, each thread reading back only what it wrote.
-  hw::Pack<T, VEC>* s_rows = reinterpret_cast<hw::Pack<T, VEC>*>(smem + bwd_smem_floats(
-      MODE, VEC, nvec, ROWS, num_src, heads, param_slice_floats(kSlices, ITEMS, nthreads, VEC)));
+  hw::Pack<T, VEC>* s_rows = reinterpret_cast<hw::Pack<T, VEC>*>(
+      smem + bwd_smem_floats(MODE, VEC, nvec, ROWS, num_src, heads, param_floats));
 
   ThreadVectors<ITEMS, VEC, kSlices> qg = load_qg<ITEMS, VEC, kSlices>(p.route, nvec, nthreads, slices);
   // dout of the position (gate not applied): packs in registers, or fp32 in the second
@@ -878,6 +891,10 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
       float* s_dl = s_ss + nh;
       float* s_r = s_dl + nh;
       float* s_r3c = s_r + num_src;
+      // Pass 2's (n, h) coefficients gate w, r dl, dl as one 16-byte record each (the
+      // vector layout's; see emit_grads).
+      hw::Pack<float, kBwdRecordFloats>* s_rec =
+          reinterpret_cast<hw::Pack<float, kBwdRecordFloats>*>(records + parity * kBwdRecordFloats * nh);
       const int64_t b = pos / p.route.seq;
       const int64_t t = pos - b * p.route.seq;
       const T* src = static_cast<const T*>(p.route.sources) + b * p.route.src_stride_b + t * p.route.src_stride_t;
@@ -1035,6 +1052,15 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
         const float r = s_r[n];
         s_r3c[n] = r * r * r * c * inv_d;
       }
+      for (int e = tid; !kSlices && e < nh; e += nthreads) {
+        const float dl = s_dl[e];
+        hw::Pack<float, kBwdRecordFloats> rec;
+        rec.v[0] = gate * s_w[e];
+        rec.v[1] = s_r[e / heads] * dl;
+        rec.v[2] = dl;
+        rec.v[3] = 0.f;
+        hw::store_pack<float, kBwdRecordFloats>(reinterpret_cast<float*>(s_rec + e), rec);
+      }
       __syncthreads();
 
       // Pass 2: emit ds_n, accumulate z; no reductions.
@@ -1047,12 +1073,23 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
       // The items' heads, formed once per position in the vector layout (ITEMS
       // registers); the scalar layout's 16 items recompute them.
       using RowItems = ThreadItems<ITEMS, !kSlices>;
+      // The vector layout addresses an item's packs from per-row pointers (item i at
+      // + i nthreads vectors) and reads its coefficients as one 16-byte record; the
+      // scalar layout, at the 128-register cap with 16 items, forms each item's addresses
+      // from n and v and reads w and dl (held row pointers or records spilled it: 8-44
+      // bytes, sm_80 / sm_90 / sm_100 ptxas).
       auto emit_grads = [&](auto staged, auto accumulate) {
         const RowItems row_items(nvec, kv);
-        for (int n = 0; n < num_src; ++n) {
+        // The vector layout's row pointers, at the thread's first vector, stepped a row each
+        // (unread in the scalar layout).
+        const hw::Pack<T, VEC>* x_row = s_rows + tid;
+        const T* src_row = src + tid * VEC;
+        G* ds_row = static_cast<G*>(p.grad_sources) + pos * p.route.d + tid * VEC;
+        const int64_t ds_row_stride = positions * p.route.d;
+        for (int n = 0; n < num_src;
+             ++n, x_row += ITEMS * nthreads, src_row += p.route.src_stride_n, ds_row += ds_row_stride) {
           const float r = s_r[n];
           const float r3c = s_r3c[n];
-          G* ds = static_cast<G*>(p.grad_sources) + (n * positions + pos) * p.route.d;
           // Unrolled by 4: all of ITEMS in the vectorized layout (its dout packs are
           // indexed by i), a quarter of the scalar layout's 16, whose item state is in
           // smem slices.
@@ -1060,17 +1097,30 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
           for (int i = 0; i < ITEMS; ++i) {
             const int v = tid + i * nthreads;
             if (v >= nvec) continue;
+            G* ds = kSlices ? static_cast<G*>(p.grad_sources) + (n * positions + pos) * p.route.d + v * VEC
+                            : ds_row + i * nthreads * VEC;
             hw::Pack<T, VEC> xp;
             if (staged) {
-              xp = hw::load_pack<T, VEC>(reinterpret_cast<const T*>(s_rows + (n * ITEMS + i) * nthreads + tid));
+              const hw::Pack<T, VEC>* at = kSlices ? s_rows + (n * ITEMS + i) * nthreads + tid : x_row + i * nthreads;
+              xp = hw::load_pack<T, VEC>(reinterpret_cast<const T*>(at));
             } else {
-              hw::check_pack_alignment<T, VEC>(src + n * p.route.src_stride_n + v * VEC);
-              xp = hw::load_pack<T, VEC>(src + n * p.route.src_stride_n + v * VEC);
+              const T* at = kSlices ? src + n * p.route.src_stride_n + v * VEC : src_row + i * nthreads * VEC;
+              hw::check_pack_alignment<T, VEC>(at);
+              xp = hw::load_pack<T, VEC>(at);
             }
-            const int e = n * heads + row_items.head(i);
-            const float wg = gate * s_w[e];
-            const float rdl = r * s_dl[e];
-            const float dl = s_dl[e];
+            float wg, rdl, dl;
+            if constexpr (kSlices) {
+              const int e = n * heads + row_items.head(i);
+              wg = gate * s_w[e];
+              rdl = r * s_dl[e];
+              dl = s_dl[e];
+            } else {
+              const float* at = reinterpret_cast<const float*>(s_rec + n * heads + row_items.head(i));
+              const hw::Pack<float, kBwdRecordFloats> rec = hw::load_pack<float, kBwdRecordFloats>(at);
+              wg = rec.v[0];
+              rdl = rec.v[1];
+              dl = rec.v[2];
+            }
             // What ds holds, loaded first: the scalar layout spills (sm_90) when the load
             // sits beside its use.
             float prev[VEC];
@@ -1081,7 +1131,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
             HW_UNROLL
             for (int k = 0; k < VEC; ++k) prev[k] = 0.f;
 #endif
-            if (accumulate) hw::load_as_float<VEC>(ds + v * VEC, prev);
+            if (accumulate) hw::load_as_float<VEC>(ds, prev);
             float x[VEC], dv[VEC], u[VEC], y[VEC];
             hw::unpack_to_float<T, VEC>(xp, x);
             dout_of(i, dv);
@@ -1097,7 +1147,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
               HW_UNROLL
               for (int k = 0; k < VEC; ++k) y[k] = prev[k] + y[k];
             }
-            hw::store_from_float<VEC>(ds + v * VEC, y);
+            hw::store_from_float<VEC>(ds, y);
           }
         }
       };
