@@ -367,12 +367,13 @@ __device__ __forceinline__ auto forward_qg(const Routing& route, int nvec, int n
 }
 
 // Issues the loads of rows [n0, n0 + ROWS) of a position (the thread's vectors; zeros
-// for rows >= n_end and absent items). base: the position's row 0, at the thread's first
-// vector (src + tid VEC) in the vector layout, whose loads are then one 64-bit add of a
-// block-uniform offset each; the scalar layout's forward spills with that register pair
-// held (16 items), so there base is src and each load adds the item's offset.
+// for rows >= n_end and absent items). row: row n0 of the position, at the thread's first
+// vector in the vector layout, whose loads are then row + a block-uniform offset each
+// (r stride_n + i blockDim VEC); the scalar layout's forward spills with a per-thread
+// pointer held (16 items), so there row is the row's start and each load adds the
+// item's offset.
 template <typename T, int VEC, int ITEMS, int ROWS, class Items>
-__device__ __forceinline__ void load_stage(const T* base, int64_t stride_n, int n0, int n_end, const Items& items,
+__device__ __forceinline__ void load_stage(const T* row, int64_t stride_n, int n0, int n_end, const Items& items,
                                            hw::Pack<T, VEC> (&x)[ROWS][ITEMS]) {
   if constexpr (VEC > 1) {
     const int64_t item_stride = static_cast<int64_t>(blockDim.x) * VEC;
@@ -380,11 +381,9 @@ __device__ __forceinline__ void load_stage(const T* base, int64_t stride_n, int 
     for (int r = 0; r < ROWS; ++r) {
       HW_UNROLL
       for (int i = 0; i < ITEMS; ++i)
-        x[r][i] = hw::load_pack_if<T, VEC>(base + ((n0 + r) * stride_n + i * item_stride),
-                                           n0 + r < n_end && items.valid(i));
+        x[r][i] = hw::load_pack_if<T, VEC>(row + (r * stride_n + i * item_stride), n0 + r < n_end && items.valid(i));
     }
   } else {
-    const T* row = base + n0 * stride_n;
     HW_UNROLL
     for (int r = 0; r < ROWS; ++r, row += stride_n) {
       HW_UNROLL
@@ -397,30 +396,36 @@ __device__ __forceinline__ void load_stage(const T* base, int64_t stride_n, int 
 // Runs stage(cur, n0, half) for n0 = 0, ROWS, 2 ROWS, ... < n_end, cur holding the
 // position's rows [n0, n0 + ROWS) and half = (n0 / ROWS) % 2 naming the scratch half of
 // the stage's BlockSums call (consecutive stages alternate; the first stage of the next
-// position follows a barrier). With PREFETCH the next stage's loads are issued
-// before each stage runs, into the other of two register sets: the loop is unrolled by
-// two so that the sets alternate (no stage copies the prefetched rows, nor forms its
-// address arithmetic again), and half is a constant of each copy. Without PREFETCH the
-// next stage is loaded after the stage, into the same set.
+// position follows a barrier). With PREFETCH (the vector layout) the next stage's loads
+// are issued before each stage runs, into the other of two register sets: the loop is
+// unrolled by two so that the sets alternate (no stage copies the prefetched rows), half
+// is a constant of each copy, and the loads address from one row pointer stepped 2 ROWS
+// rows an iteration (a 64-bit add, where forming (n0 + r) stride_n took a wide multiply
+// per row). Without PREFETCH the next stage is loaded after the stage, into the same set.
 template <bool PREFETCH, typename T, int VEC, int ITEMS, int ROWS, class Items, class Stage>
 __device__ __forceinline__ void for_each_stage(const T* src, int64_t stride_n, int n_end, const Items& items,
                                                Stage&& stage) {
   hw::Pack<T, VEC> even[ROWS][ITEMS], odd[ROWS][ITEMS];
-  const T* base = VEC > 1 ? src + threadIdx.x * VEC : src;  // see load_stage
-  load_stage<T, VEC, ITEMS, ROWS>(base, stride_n, 0, n_end, items, even);
   if constexpr (PREFETCH) {
-    for (int n0 = 0; n0 < n_end; n0 += 2 * ROWS) {
-      load_stage<T, VEC, ITEMS, ROWS>(base, stride_n, n0 + ROWS, n_end, items, odd);
+    static_assert(VEC > 1, "the vector layout prefetches");
+    const int64_t stage_stride = ROWS * stride_n;
+    const T* row = src + threadIdx.x * VEC;  // row n0, at the thread's first vector
+    load_stage<T, VEC, ITEMS, ROWS>(row, stride_n, 0, n_end, items, even);
+    for (int n0 = 0; n0 < n_end; n0 += 2 * ROWS, row += 2 * stage_stride) {
+      load_stage<T, VEC, ITEMS, ROWS>(row + stage_stride, stride_n, n0 + ROWS, n_end, items, odd);
       stage(even, n0, 0);
       if (n0 + ROWS >= n_end) break;
-      load_stage<T, VEC, ITEMS, ROWS>(base, stride_n, n0 + 2 * ROWS, n_end, items, even);
+      load_stage<T, VEC, ITEMS, ROWS>(row + 2 * stage_stride, stride_n, n0 + 2 * ROWS, n_end, items, even);
       stage(odd, n0 + ROWS, 1);
     }
   } else {
     (void)odd;
+    const T* base = VEC > 1 ? src + threadIdx.x * VEC : src;  // see load_stage
+    load_stage<T, VEC, ITEMS, ROWS>(base, stride_n, 0, n_end, items, even);
     for (int n0 = 0, half = 0; n0 < n_end; n0 += ROWS, half ^= 1) {
       stage(even, n0, half);
-      if (n0 + ROWS < n_end) load_stage<T, VEC, ITEMS, ROWS>(base, stride_n, n0 + ROWS, n_end, items, even);
+      if (n0 + ROWS < n_end)
+        load_stage<T, VEC, ITEMS, ROWS>(base + (n0 + ROWS) * stride_n, stride_n, n0 + ROWS, n_end, items, even);
     }
   }
 }
