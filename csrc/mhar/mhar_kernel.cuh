@@ -209,23 +209,30 @@ __host__ __device__ inline int64_t bwd_head_scratch_floats(HeadReduce mode, int 
   return bwd_defers_head_sums(mode, vec) ? 3 * n * (nvec / 32) : head_sums_floats(mode, nvec, 3 * rows);
 }
 
-// Backward dynamic smem (floats): BlockSum scratch (64), the head-reduction scratch, per
-// position (two, by parity) w, a, b, sum of squares and dl [N, H], r_n and r_n^3 c_n / d
-// [N], the parameter slices; then, 16-byte aligned, per position (two, by parity) pass 2's
-// coefficient records [N, H] (bwd_records_offset); then, with stage_rows, the staged
-// rows (bytes, 16-aligned).
+// Backward dynamic smem (floats): BlockSum scratch (64), the head-reduction scratch, the
+// position block (bwd_pos_floats: w, a, b, sum of squares and dl [N, H], r_n and r_n^3
+// c_n / d [N]; two by parity in the scalar layout, see bwd_pos_blocks), the parameter
+// slices; then, 16-byte aligned, the vector layout's pass-2 coefficient records [N, H]
+// (bwd_records_offset); then, with stage_rows, the staged rows (bytes, 16-aligned).
 __host__ __device__ inline int64_t bwd_pos_floats(int64_t n, int64_t heads) { return 5 * n * heads + 2 * n; }
+// Position blocks: the scalar layout's pass 2 reads w and dl, which the next position's
+// first loop (w, before any barrier) may overwrite while slower threads still read them,
+// so it alternates two blocks by parity. The vector layout's pass 2 reads only the records
+// and r_n, r_n^3 c_n / d, which are written after the next position's pass-1 barrier,
+// when every thread has left this position's pass 2: one block, and one set of records.
+__host__ __device__ constexpr int bwd_pos_blocks(int vec) { return vec == 1 ? 2 : 1; }
 // Floats of one pass-2 coefficient record: gate w, r dl, dl of an (n, h) and a pad word.
 constexpr int kBwdRecordFloats = 4;
 __host__ __device__ inline int64_t bwd_records_offset(HeadReduce mode, int vec, int64_t nvec, int rows, int64_t n,
                                                       int64_t heads, int64_t param_floats) {
-  const int64_t f =
-      64 + bwd_head_scratch_floats(mode, vec, nvec, rows, n) + 2 * bwd_pos_floats(n, heads) + param_floats;
+  const int64_t f = 64 + bwd_head_scratch_floats(mode, vec, nvec, rows, n) +
+                    bwd_pos_blocks(vec) * bwd_pos_floats(n, heads) + param_floats;
   return (f + 3) / 4 * 4;
 }
 __host__ __device__ inline int64_t bwd_smem_floats(HeadReduce mode, int vec, int64_t nvec, int rows, int64_t n,
                                                    int64_t heads, int64_t param_floats) {
-  return bwd_records_offset(mode, vec, nvec, rows, n, heads, param_floats) + 2 * kBwdRecordFloats * n * heads;
+  return bwd_records_offset(mode, vec, nvec, rows, n, heads, param_floats) +
+         (vec == 1 ? 0 : kBwdRecordFloats * n * heads);
 }
 
 // The thread's ITEMS x VEC values of a [d]-sized fp32 vector: in registers, or (IN_SMEM,
@@ -861,7 +868,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
   }
   float* pos_smem = smem + 64 + bwd_head_scratch_floats(MODE, VEC, nvec, ROWS, num_src);
   const int pos_floats = static_cast<int>(bwd_pos_floats(num_src, heads));
-  float* slices = pos_smem + 2 * pos_floats;
+  float* slices = pos_smem + bwd_pos_blocks(VEC) * pos_floats;
   const int64_t param_floats = param_slice_floats(kSlices, ITEMS, nthreads, VEC);
   float* records = smem + bwd_records_offset(MODE, VEC, nvec, ROWS, num_src, heads, param_floats);
   // Staged rows: [n][i][tid] packs, each thread reading back only what it wrote.
@@ -887,9 +894,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
     float gate_sum = 0.f;  // this thread's share of sum_h S_h: the heads it forms S_h for
     const int64_t pos_end = (seg + 1) * kBwdSegment < positions ? (seg + 1) * kBwdSegment : positions;
     for (int64_t pos = seg * kBwdSegment; pos < pos_end; ++pos, parity ^= 1) {
-      // This position's [N, H] w, a, b, ss, dl and [N] r, r^3 c / d; the other parity's
-      // belong to the previous position.
-      float* s_w = pos_smem + parity * pos_floats;
+      // This position's [N, H] w, a, b, ss, dl and [N] r, r^3 c / d (the scalar layout:
+      // the other parity's belong to the previous position; bwd_pos_blocks).
+      float* s_w = pos_smem + (kSlices ? parity * pos_floats : 0);
       float* s_a = s_w + nh;
       float* s_b = s_a + nh;
       float* s_ss = s_b + nh;
@@ -897,9 +904,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
       float* s_r = s_dl + nh;
       float* s_r3c = s_r + num_src;
       // Pass 2's (n, h) coefficients gate w, r dl, dl as one 16-byte record each (the
-      // vector layout's; see emit_grads).
-      hw::Pack<float, kBwdRecordFloats>* s_rec =
-          reinterpret_cast<hw::Pack<float, kBwdRecordFloats>*>(records + parity * kBwdRecordFloats * nh);
+      // vector layout's; see emit_grads and bwd_pos_blocks).
+      hw::Pack<float, kBwdRecordFloats>* s_rec = reinterpret_cast<hw::Pack<float, kBwdRecordFloats>*>(records);
       const int64_t b = pos / p.route.seq;
       const int64_t t = pos - b * p.route.seq;
       const T* src = static_cast<const T*>(p.route.sources) + b * p.route.src_stride_b + t * p.route.src_stride_t;

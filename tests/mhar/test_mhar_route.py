@@ -389,3 +389,22 @@ def test_compiles_fullgraph_without_graph_breaks(host_backend):
     step(sources, query, norm_weight, residual).backward()
     for got, x in zip(grads, (sources, query, norm_weight)):
         assert torch.equal(got, x.grad)
+
+
+@pytest.mark.parametrize("n,d,h,optin", [(65, 8192, 64, None), (65, 4096, 32, 101376)],
+                         ids=["sm90-d8192-H64", "sm86_99KiB-d4096-H32"])
+def test_backward_shared_memory_fits_at_many_sources_and_heads(monkeypatch, n, d, h, optin):
+    # The backward keeps a position's per-(n, h) values in shared memory (w, the head sums,
+    # dl and, in the vector layout, pass 2's coefficient records): 36 N H bytes, one block
+    # (mhar_kernel.cuh, bwd_pos_blocks). At N = 65 (a 2L + 1 depth buffer at L = 32) that
+    # fits sm_90's 227 KiB at d = 8192, H = 64 (147 KiB) and a 99 KiB part's at d = 4096,
+    # H = 32 (74 KiB); double-buffered records did not (294 and 148 KiB).
+    if optin is not None:
+        monkeypatch.setenv("HEADWISE_SIM_SMEM_OPTIN", str(optin))
+    sim = headwise.testing.backend("sim")
+    sources, query, norm_weight = make_inputs(n, 1, 1, d, dtype=torch.bfloat16, qscale=0.02)
+    grad = torch.randn(1, 1, d, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = _fwd_bwd(sim.mhar_route, sources, query, norm_weight, grad, num_heads=h)
+    want = _fwd_bwd(reference.mhar_route, sources, query, norm_weight, grad, num_heads=h)
+    for name, g, w in zip(("out", "sources", "query", "norm_weight"), got, want):
+        assert rel_err(g.float(), w.float()) <= 2 ** -6, name
