@@ -49,7 +49,7 @@
 //     grad_sources as compile-time variants. The weights are loaded once per position,
 //     coalesced, into shared memory. Pass 2 (vector layout) reads an item's coefficients
 //     gate w, r dl, dl as one 16-byte record formed once per (n, h), and addresses its
-//     packs from row pointers stepped a row each: ~36 instructions a row less than two
+//     packs from row pointers stepped a row each: ~34 instructions a row less than two
 //     scalar loads, two products and per-item 64-bit address arithmetic (sm_90 SASS).
 //   - Query / norm-weight / gate gradients: per-segment partials (kBwdSegment consecutive
 //     positions, summed in position order by one CTA) and a second kernel that sums the
@@ -870,7 +870,10 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
   const int pos_floats = static_cast<int>(bwd_pos_floats(num_src, heads));
   float* slices = pos_smem + bwd_pos_blocks(VEC) * pos_floats;
   const int64_t param_floats = param_slice_floats(kSlices, ITEMS, nthreads, VEC);
-  float* records = smem + bwd_records_offset(MODE, VEC, nvec, ROWS, num_src, heads, param_floats);
+  // Pass 2's (n, h) coefficients gate w, r dl, dl as one 16-byte record each (the vector
+  // layout's, one set; see emit_grads and bwd_pos_blocks).
+  auto* s_rec = reinterpret_cast<hw::Pack<float, kBwdRecordFloats>*>(
+      smem + bwd_records_offset(MODE, VEC, nvec, ROWS, num_src, heads, param_floats));
   // Staged rows: [n][i][tid] packs, each thread reading back only what it wrote.
   hw::Pack<T, VEC>* s_rows = reinterpret_cast<hw::Pack<T, VEC>*>(
       smem + bwd_smem_floats(MODE, VEC, nvec, ROWS, num_src, heads, param_floats));
@@ -903,9 +906,6 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
       float* s_dl = s_ss + nh;
       float* s_r = s_dl + nh;
       float* s_r3c = s_r + num_src;
-      // Pass 2's (n, h) coefficients gate w, r dl, dl as one 16-byte record each (the
-      // vector layout's; see emit_grads and bwd_pos_blocks).
-      hw::Pack<float, kBwdRecordFloats>* s_rec = reinterpret_cast<hw::Pack<float, kBwdRecordFloats>*>(records);
       const int64_t b = pos / p.route.seq;
       const int64_t t = pos - b * p.route.seq;
       const T* src = static_cast<const T*>(p.route.sources) + b * p.route.src_stride_b + t * p.route.src_stride_t;
@@ -1063,14 +1063,16 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_kernel(const BwdPa
         const float r = s_r[n];
         s_r3c[n] = r * r * r * c * inv_d;
       }
-      for (int e = tid; !kSlices && e < nh; e += nthreads) {
-        const float dl = s_dl[e];
-        hw::Pack<float, kBwdRecordFloats> rec;
-        rec.v[0] = gate * s_w[e];
-        rec.v[1] = s_r[e / heads] * dl;
-        rec.v[2] = dl;
-        rec.v[3] = 0.f;
-        hw::store_pack<float, kBwdRecordFloats>(reinterpret_cast<float*>(s_rec + e), rec);
+      if constexpr (!kSlices) {
+        for (int e = tid; e < nh; e += nthreads) {
+          const float dl = s_dl[e];
+          hw::Pack<float, kBwdRecordFloats> rec;
+          rec.v[0] = gate * s_w[e];
+          rec.v[1] = s_r[e / heads] * dl;
+          rec.v[2] = dl;
+          rec.v[3] = 0.f;
+          hw::store_pack<float, kBwdRecordFloats>(reinterpret_cast<float*>(s_rec + e), rec);
+        }
       }
       __syncthreads();
 
