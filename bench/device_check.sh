@@ -6,8 +6,9 @@
 # runs the CUDA tests, compute-sanitizer memcheck and racecheck on small cases, the issues'
 # acceptance ratios (python -m headwise.bench.targets: merge, DCMHA forward, DCMHA forward +
 # backward against flash and DCFormer's compiled query chunks), the compose backward's
-# two-row / one-row A/B, the primitive self-tests (mma.sync / ldmatrix / cp.async / cluster
-# lane maps against the hardware; they passed on the first H200 run) and the sample GEMM,
+# two-row / one-row A/B, the MHAR forward's staged / streaming A/B, the primitive
+# self-tests (mma.sync / ldmatrix / cp.async / cluster lane maps against the hardware;
+# they passed on the first H200 run) and the sample GEMM,
 # the emulator's H200 estimates beside the measured times (python -m headwise.bench.calibrate),
 # one ncu report (the merge, MHAR and DCMHA forwards), then the GPU benchmarks. Stages run in that
 # order (most valuable first); each has its own time limit, cut further by what is left of one budget for the
@@ -94,6 +95,18 @@ def run(rows):
 t = interleaved_median_ms({'two rows': (lambda: run('2'), None), 'one row': (lambda: run('1'), None)}, torch.device('cuda'), repeats=10, warmup=2)
 print('dcmha_compose backward B=2 H=32 T=S=2048 bf16 (HBM floor est. 395 us):', {k: round(v * 1e3, 1) for k, v in t.items()}, 'us')"
 
+stage "MHAR forward: the staged kernel (rows in shared memory by cp.async) against the streaming one"
+run_capped 40 "mhar fwd staged A/B" $PY -c "
+import os, torch, headwise
+from headwise.bench.timing import interleaved_median_ms
+src = torch.randn(9, 2, 4096, 4096, device='cuda', dtype=torch.bfloat16)
+q = 0.3 * torch.randn(4096, device='cuda'); g = torch.ones(4096, device='cuda')
+def run(flag):
+    os.environ['HEADWISE_MHAR_FWD_STAGED'] = flag
+    return torch.ops.headwise.mhar_route(src, q, g, 8, 9, 1e-6, None, None)
+t = interleaved_median_ms({'staged': (lambda: run('1'), None), 'streaming': (lambda: run('0'), None)}, torch.device('cuda'), repeats=20, warmup=3)
+print('mhar_route forward N=9 B=2 T=4096 d=4096 H=8 bf16 (673 MB: 0.140 ms at 4.8 TB/s):', {k: round(v, 3) for k, v in t.items()}, 'ms')"
+
 stage "primitive self-tests and sample GEMM on the GPU (lane maps against the hardware)"
 cd tests
 run_capped 60 "primitive tests" $PY -m pytest -q -ra -k cuda --junitxml="$RES/primitive_tests.xml" \
@@ -124,7 +137,7 @@ stage "ncu: the merge forward and grad_z, the MHAR forward, the DCMHA forward sw
 # say what bounds them. The L2 hit rate checks the DCMHA output kernel's heads-fastest grid
 # (its heads of a query tile share the scratch partials: bench/RESULTS.md, 2026-12-06).
 run_capped 60 "ncu" ncu --clock-control none \
-  --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc|mhar_route_fwd_kernel|dcmha_attn_sweep|dcmha_attn_output" \
+  --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc|mhar_route_fwd|dcmha_attn_sweep|dcmha_attn_output" \
   --launch-count 6 --metrics lts__t_sector_hit_rate.pct \
   --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section Occupancy --section WarpStateStats \
   $PY -c "

@@ -7,8 +7,12 @@ import torch
 
 import headwise
 
-# (N, B, T, d, H) covering vec8 segment / warps / generic and the scalar paths.
-MHAR_CASES = [(3, 2, 5, 96, 3), (5, 1, 7, 123, 3), (4, 1, 3, 2048, 2), (2, 3, 1, 96, 4), (7, 1, 5, 20, 5)]
+# (N, B, T, d, H) covering vec8 segment / warps / generic and the scalar paths; 16-bit
+# sources run the forward's staged kernel where it applies (heads within a warp: the
+# first and last two cases, the last with 1030 positions over 1024 blocks and a partial
+# second warp) and its streaming kernel (HEADWISE_MHAR_FWD_STAGED=0).
+MHAR_CASES = [(3, 2, 5, 96, 3), (5, 1, 7, 123, 3), (4, 1, 3, 2048, 2), (2, 3, 1, 96, 4), (7, 1, 5, 20, 5),
+              (9, 1, 3, 1024, 2), (3, 1, 1030, 576, 9)]
 # (layout, B, S, D_model, rope): every item width (1, 2, 4) of the QKV epilogue kernels.
 QKV_CASES = [
     (headwise.QKVLayout(2, 2, 3, 2), 2, 3, 6, False),
@@ -27,7 +31,8 @@ DCMHA_CASES = [(1, 4, 37, 16, 1, None), (2, 4, 70, 24, 2, None), (1, 3, 65, 64, 
 def main():
     torch.manual_seed(0)
     for n, b, t, d, h in MHAR_CASES:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype, staged in ((torch.float32, "1"), (torch.bfloat16, "1"), (torch.bfloat16, "0")):
+            os.environ["HEADWISE_MHAR_FWD_STAGED"] = staged
             sources = torch.randn(n, b, t, d, device="cuda", dtype=dtype, requires_grad=True)
             query = torch.randn(d, device="cuda", requires_grad=True)
             norm_weight = torch.ones(d, device="cuda", requires_grad=True)

@@ -19,6 +19,7 @@
 //       ldmatrix and the cp.async copies also take one in place of a pointer
 //   hw::cp_async_commit()              cp.async.commit_group
 //   hw::cp_async_wait<N>()             cp.async.wait_group N (all but the N newest groups landed)
+//   hw::cp_async_wait_upto(newer)      the same with a run-time count, clamped to 7 (a stronger wait)
 //   hw::cp_async_wait_all()            cp.async.wait_all
 // A cp.async is visible to the issuing thread after its wait, to the block's other threads
 // after a __syncthreads that follows the wait (to its warp's lanes after a __syncwarp). Shared operands must lie in the dynamic
@@ -231,6 +232,22 @@ __device__ __forceinline__ void cp_async_wait() {
 #elif HW_PRIM_PTX
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
+}
+
+// cp.async.wait_group with a run-time count: every group but the `newer` newest has
+// landed on return. The count is an immediate of the instruction, so this switches over
+// 0..7; more than 7 newer groups wait as if there were 7 (all but the 7 newest).
+__device__ __forceinline__ void cp_async_wait_upto(int newer) {
+  switch (newer) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+  }
 }
 
 __device__ __forceinline__ void cp_async_wait_all() {

@@ -9,6 +9,7 @@
 #include "../common/op_range.h"
 #include "../common/outputs.h"
 #include "mhar_args.h"
+#include "mhar_fwd_staged_kernel.cuh"
 #include "mhar_kernel.cuh"
 #include "mhar_ops.h"
 
@@ -16,6 +17,8 @@
 #include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <tuple>
 
 namespace headwise {
@@ -100,6 +103,20 @@ void dispatch_plan(const Plan& plan, F&& f) {
   }
 }
 
+// Whether the forward takes the staged kernel (mhar_fwd_staged_kernel.cuh): 16-bit sources
+// on the 16-byte path, heads within a warp, and the rows of a position within
+// kStagedSmemBudget and half the device's opt-in limit (2 CTAs an SM on an A100 as on an
+// H100). HEADWISE_MHAR_FWD_STAGED=0 keeps the streaming kernel (the tests run both; the
+// device check times both).
+static_assert(kStagedItems == kItemsVec8, "the staged kernel runs the vector layout's threads");
+inline bool fwd_staged_fits(const Shape& s, const Plan& plan, size_t elem_size) {
+  if (plan.vec != 8 || elem_size != 2 || !fwd_staged_heads(s.head_dim / 8)) return false;
+  if (const char* env = std::getenv("HEADWISE_MHAR_FWD_STAGED"); env != nullptr && std::strcmp(env, "0") == 0)
+    return false;
+  const int64_t limit = std::min<int64_t>(kStagedSmemBudget, static_cast<int64_t>(hw::max_dynamic_smem_optin()) / 2 - 1024);
+  return fwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads) <= limit;
+}
+
 // q, g: the fp32 contiguous copies of query and norm_weight.
 inline Routing make_routing(const at::Tensor& sources, const at::Tensor& q, const at::Tensor& g,
                             const Shape& s, double eps) {
@@ -171,8 +188,19 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
   p.out = out.data_ptr();
   p.weights = weights.data_ptr<float>();
 
+  const dim3 grid(static_cast<unsigned>(std::min(s.positions(), kFwdMaxBlocks)));
   dispatch_storage_dtype(sources.scalar_type(), "mhar_route", "sources", [&](auto tag) {
     using T = decltype(tag);
+    if constexpr (sizeof(T) == 2) {
+      if (fwd_staged_fits(s, plan, sizeof(T))) {
+        auto kernel = s.head_dim / 8 == 64 ? &mhar_route_fwd_staged_kernel<T, true>
+                                            : &mhar_route_fwd_staged_kernel<T, false>;
+        const size_t smem_bytes = static_cast<size_t>(fwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads));
+        hw::allow_dynamic_smem("mhar_route", kernel, smem_bytes);
+        HW_LAUNCH("mhar_route_fwd_staged", kernel, grid, dim3(plan.threads), smem_bytes, p);
+        return;
+      }
+    }
     dispatch_plan<T>(plan, [&](auto cfg) {
       using C = decltype(cfg);
       auto kernel = &mhar_route_fwd_kernel<T, C::vec, C::items, C::rows, C::prefetch, C::mode>;
@@ -181,8 +209,7 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
                                               C::items, plan.threads)) *
           sizeof(float);
       hw::allow_dynamic_smem("mhar_route", kernel, smem_bytes);
-      HW_LAUNCH("mhar_route_fwd", kernel, dim3(static_cast<unsigned>(std::min(s.positions(), kFwdMaxBlocks))),
-                dim3(plan.threads), smem_bytes, p);
+      HW_LAUNCH("mhar_route_fwd", kernel, grid, dim3(plan.threads), smem_bytes, p);
     });
   });
   return {out, weights};

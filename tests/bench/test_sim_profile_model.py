@@ -122,16 +122,17 @@ def test_sim_profile_cli_json(tmp_path, monkeypatch, capsys):
     out = tmp_path / "p.json"
     assert bench_main.main(["--sim-profile", "mhar", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "ESTIMATE" in text and "mhar_route_fwd" in text
+    assert "ESTIMATE" in text and "mhar_route_fwd_staged" in text
     data = json.loads(out.read_text())
     assert data["gpu_model"]["hbm_bytes_per_s"] == sim_profile.H200.hbm_bytes_per_s
     kernels = {(r["op"], r["kernel"]) for r in data["launches"]}
-    assert kernels == {("mhar_route fwd", "mhar_route_fwd"), ("mhar_route bwd", "mhar_route_bwd"),
+    # bf16 heads of 2 vectors: the forward's staged kernel (mhar_fwd_staged_kernel.cuh).
+    assert kernels == {("mhar_route fwd", "mhar_route_fwd_staged"), ("mhar_route bwd", "mhar_route_bwd"),
                        ("mhar_route bwd", "mhar_param_grad_reduce")}
     for rec in data["launches"] + data["targets"]:
         assert not [k for k in REQUIRED if k not in rec], rec["kernel"]
         assert rec["est_us"] > 0 and rec["shape"]["d"] == 64
-    fwd = next(r for r in data["targets"] if r["kernel"] == "mhar_route_fwd")
+    fwd = next(r for r in data["targets"] if r["kernel"] == "mhar_route_fwd_staged")
     # The fit at B*T = 16 positions: each source row read once, so at least N*B*T*d*2 bytes.
     assert fwd["shape"]["T"] == 8 and fwd["ctas"] == 16
     assert fwd["unique_load_bytes"] >= 3 * 16 * 64 * 2

@@ -185,6 +185,10 @@ def _mhar_run(ops, s, take, device="cpu"):
     return {"fwd": fwd, "bwd": take()}
 
 
+# Launches that do another launch's products (an alternative kernel of the same phase).
+SAME_FLOPS_AS = {"mhar_route_fwd_staged": "mhar_route_fwd"}
+
+
 def _mhar_bytes(s):
     n, p, d, h = s["N"], s["B"] * s["T"], s["d"], s["H"]
     return {"fwd": (n * p * d + p * d) * BF16 + n * p * h * 4,
@@ -545,7 +549,8 @@ def _finish(rec: dict, spec: OpSpec, shape: dict, reports, issue_reports=None) -
     rec["ctas_per_sm"] = ctas_per_sm(threads, rec["registers"], rec["dynamic_smem_bytes"] + (rec["static_smem_bytes"] or 0))
     rec["min_bytes"] = spec.min_bytes(shape)[rec["phase"]]
     rec["min_flops"] = sum(spec.flops(shape)[rec["phase"]].values())
-    rec.update(estimate(rec, spec.flops(shape)[rec["phase"]].get(rec["kernel"], 0)))
+    flops = spec.flops(shape)[rec["phase"]]
+    rec.update(estimate(rec, flops.get(rec["kernel"], flops.get(SAME_FLOPS_AS.get(rec["kernel"]), 0))))
     return rec
 
 

@@ -1,0 +1,336 @@
+// MHAR forward with a position's rows staged in shared memory by cp.async (SPEC section 4;
+// the notation of mhar_kernel.cuh). Compiled by nvcc and against the SIMT emulator.
+//
+// Budget (bf16, N = 9, d = 4096, H = 8, B T = 8192): a position reads N rows (72 KiB) and
+// writes one (8 KiB) and N H fp32 weights: 673 MB in all, 0.14 ms at the H200's 4.8 TB/s.
+// Its arithmetic is ~8 fp32 operations per source element (square, normalize, round, logit,
+// fold), ~0.3 GFLOP: HBM-bound by ~10x over the FP32 ceiling, so what sets the pace is
+// instruction issue and the latency between the loads and their use (the first H200 run
+// measured the streaming kernel at 16% of HBM: bench/RESULTS.md).
+//
+// Where it is used: 16-bit sources on the 16-byte path (VEC = 8, 2 vectors a thread), heads
+// of kv = 1, 2, 4, ..., 32 or 64 vectors (within a warp, see below), and the N rows of a
+// position within the launcher's shared-memory budget (fwd_staged_fits); else the streaming
+// kernel of mhar_kernel.cuh, which keeps the rows in registers stage by stage.
+//
+// Design, per position (the streaming kernel's stage of 2 rows costs two barriers, a block
+// and a head reduction and a softmax step; here a position costs two barriers):
+//   - Rows: each thread copies its own vectors of the N rows (cp.async.cg, 16 bytes, a
+//     warp's request 512 contiguous bytes) into thread-private slots [n][item][tid] and
+//     reads back only those, so no barrier guards them; one commit group per 2 rows. The
+//     next position's rows are copied into the slots as this position's last pass frees
+//     them, so they are in flight for the rest of this position and its epilogue.
+//   - Thread layout: thread (warp w, lane l) holds vectors v = 64 w + 32 i + l (i < 2). A
+//     head of 64 vectors is then one warp (both items), a head of kv <= 32 a segment of kv
+//     lanes of one item: every logit is a warp (segment) reduction, no barrier.
+//   - Pass A: the rows' sums of squares; a warp's sums of 2 rows by one reduce-scatter,
+//     stored as [n][warp]. One barrier.
+//   - Pass B: per 2 rows, r_n from the warp sums (lanes 16 j + w add row n0 + j's sums by a
+//     butterfly), the rows re-read, u = round(s r), the logits reduced over the head's
+//     lanes, and the online-softmax fold of the 2 rows (as the streaming kernel's stage:
+//     a rescale only when a head's max rises). A head's first lane keeps the logits.
+//   - Epilogue: out = gate acc / den (+ residual); one barrier; the weights written once,
+//     coalesced, by threads over (n, h), as in the streaming kernel.
+// Shared memory: N 16 warp sums, the logits [N, H], max and 1 / den [H], then the rows
+// (N x 2 x blockDim.x x 16 bytes: 72 KiB at the shape above). The launcher keeps it within
+// half an SM's (2 CTAs an SM, which is also what 101-128 registers allow 256-thread CTAs:
+// bench/ptxas_sm90.txt), so a whole position, 144 KiB an SM, is in flight where the
+// streaming kernel has one 2-row stage (36 KiB; HBM needs ~25 KiB an SM at its latency).
+// A thread reads a slot with LDS.128 (a warp's 512 contiguous bytes).
+// Each element is unpacked twice (pass A and pass B) where the streaming kernel unpacks it
+// once; in return the reductions, barriers and softmax steps are per position, not per
+// stage.
+#pragma once
+
+#include "../common/mma_primitives.cuh"
+#include "mhar_kernel.cuh"
+
+namespace headwise {
+namespace mhar {
+
+constexpr int kStagedItems = 2;    // 8-element vectors a thread
+constexpr int kStagedGroup = 2;    // rows a reduction and a cp.async group take
+constexpr int kStagedSsPitch = kMaxThreads / 32;  // warp sums a row of s_ss holds
+// Most shared memory the staged kernel takes: 2 CTAs fit an H100 / H200 SM (228 KiB); the
+// launcher also keeps it within half the device's opt-in limit (an A100's 163 KiB).
+constexpr int64_t kStagedSmemBudget = 112 * 1024;
+
+// Whether heads of kv vectors lie within a warp in the staged layout.
+__host__ __device__ inline bool fwd_staged_heads(int64_t kv) {
+  return kv == 2 * 32 || (kv >= 1 && kv <= 32 && (kv & (kv - 1)) == 0);
+}
+
+// Floats before the staged rows: s_ss [N][16], s_logit [N][H], s_max and s_den [H],
+// rounded up to 16 bytes.
+__host__ __device__ inline int64_t fwd_staged_rows_offset(int64_t n, int64_t heads) {
+  return (n * kStagedSsPitch + n * heads + 2 * heads + 3) / 4 * 4;
+}
+__host__ __device__ inline int64_t fwd_staged_smem_bytes(int64_t n, int64_t heads, int64_t threads) {
+  return fwd_staged_rows_offset(n, heads) * 4 + n * kStagedItems * threads * 16;
+}
+
+// kWarpHeads: heads of 64 vectors (a warp each); else heads of kv <= 32 vectors (lane
+// segments of an item).
+template <typename T, bool kWarpHeads>
+__global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(const FwdParams p) {
+  static_assert(sizeof(T) == 2, "16-bit sources: a vector is one 16-byte copy");
+  constexpr int VEC = 8, ITEMS = kStagedItems, G = kStagedGroup;
+  static_assert(G == 2, "r of a group's rows: lanes 16 j + w");
+  // Softmax states a thread keeps: one head (a warp's) or one per item.
+  constexpr int kStates = kWarpHeads ? 1 : ITEMS;
+  using PackT = hw::Pack<T, VEC>;
+  static_assert(sizeof(PackT) == 16, "a vector is one 16-byte copy");
+  auto state_of = [](int i) { return kWarpHeads ? 0 : i; };
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nthreads = blockDim.x, nwarps = nthreads >> 5;
+  const int nvec = static_cast<int>(p.route.d / VEC);
+  const int kv = static_cast<int>(p.route.head_dim / VEC);
+  const int heads = static_cast<int>(p.route.heads);
+  const int num_src = p.route.num_sources;
+  const int groups = (num_src + G - 1) / G;
+  const float inv_d = 1.f / static_cast<float>(p.route.d);
+  const int64_t stride_n = p.route.src_stride_n;
+
+  float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
+  float* s_ss = smem;                                // [N][kStagedSsPitch]: warp sums of the squares
+  float* s_logit = s_ss + num_src * kStagedSsPitch;  // [N][H]
+  float* s_max = s_logit + num_src * heads;          // [H]
+  float* s_den = s_max + heads;                      // [H]: 1 / denominator
+  // The thread's slot of (row n, item i): slots[(n ITEMS + i) nthreads].
+  PackT* const slots = reinterpret_cast<PackT*>(smem + fwd_staged_rows_offset(num_src, heads)) + tid;
+
+  // Item i is vector v0 + 32 i of the row.
+  const int v0 = warp * 32 * ITEMS + lane;
+  bool valid[ITEMS], first[ITEMS];
+  int head[ITEMS];
+  HW_UNROLL
+  for (int i = 0; i < ITEMS; ++i) {
+    const int v = v0 + 32 * i;
+    valid[i] = v < nvec;
+    head[i] = v / kv;
+    first[i] = valid[i] && v % kv == 0;
+  }
+  // q * g of the thread's vectors (a warp's item is 32 consecutive vectors: one coalesced
+  // octet load each).
+  float qg[ITEMS][VEC];
+  HW_UNROLL
+  for (int i = 0; i < ITEMS; ++i) {
+    const int w0 = warp * 32 * ITEMS + 32 * i;
+    float g[VEC];
+    hw::warp_load_octets(p.route.query + static_cast<int64_t>(w0) * VEC, nvec - w0, qg[i]);
+    hw::warp_load_octets(p.route.norm_weight + static_cast<int64_t>(w0) * VEC, nvec - w0, g);
+    HW_UNROLL
+    for (int k = 0; k < VEC; ++k) qg[i][k] *= g[k];
+  }
+  // Absent items' slots hold zeros for the kernel (no copy ever writes them), so their
+  // reads need no guard.
+  {
+    PackT zero;
+    HW_UNROLL
+    for (int k = 0; k < VEC; ++k) zero.v[k] = static_cast<T>(0.f);
+    for (int n = 0; n < num_src; ++n) {
+      HW_UNROLL
+      for (int i = 0; i < ITEMS; ++i)
+        if (!valid[i]) hw::store_pack<T, VEC>(reinterpret_cast<T*>(slots + (n * ITEMS + i) * nthreads), zero);
+    }
+  }
+  const float gate = p.gate == nullptr ? 1.f : *p.gate;
+
+  // Copies rows [n0, n0 + G) of a position (those < N) into their slots as one commit
+  // group; row: row n0 of the position at the thread's first vector.
+  auto issue_group = [&](const T* row, int n0) {
+    HW_UNROLL
+    for (int j = 0; j < G; ++j) {
+      if (n0 + j >= num_src) break;
+      HW_UNROLL
+      for (int i = 0; i < ITEMS; ++i)
+        if (valid[i]) hw::cp_async_cg16_full(slots + ((n0 + j) * ITEMS + i) * nthreads, row + j * stride_n + i * 32 * VEC);
+    }
+    hw::cp_async_commit();
+  };
+  if (blockIdx.x >= p.route.positions) return;  // the launcher's grid is at most the positions
+  const T* sources = static_cast<const T*>(p.route.sources) + static_cast<int64_t>(v0) * VEC;
+  IndexSteps bt(blockIdx.x, gridDim.x, static_cast<int>(p.route.seq));  // the position's (b, t)
+  const T* src = sources + bt.q * p.route.src_stride_b + bt.r * p.route.src_stride_t;
+  for (int g = 0; g < groups; ++g) issue_group(src + G * g * stride_n, G * g);
+
+  for (int64_t pos = blockIdx.x; pos < p.route.positions; pos += gridDim.x) {
+    const int64_t b = bt.q, t = bt.r;
+    const bool has_next = pos + gridDim.x < p.route.positions;
+    bt.next();
+    const T* next_src = sources + bt.q * p.route.src_stride_b + bt.r * p.route.src_stride_t;
+
+    // Pass A: the sums of squares of the rows, a group's two by one reduce-scatter; the
+    // newer commit groups are this position's later ones.
+    for (int g = 0; g < groups; ++g) {
+      hw::cp_async_wait_upto(groups - 1 - g);
+      const int n0 = G * g;
+      float ss[G];
+      HW_UNROLL
+      for (int j = 0; j < G; ++j) {
+        ss[j] = 0.f;
+        if (n0 + j >= num_src) continue;
+        HW_UNROLL
+        for (int i = 0; i < ITEMS; ++i) {
+          float x[VEC];
+          hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(slots + ((n0 + j) * ITEMS + i) * nthreads)), x);
+          HW_UNROLL
+          for (int k = 0; k < VEC; ++k) ss[j] += x[k] * x[k];
+        }
+      }
+      hw::warp_sum_scatter(ss);
+      hw::store_scattered_sums(ss, [&](int c, float sum) {
+        if (n0 + c < num_src) s_ss[(n0 + c) * kStagedSsPitch + warp] = sum;
+      });
+    }
+    __syncthreads();
+
+    // Pass B: logits and the online-softmax fold, 2 rows at a time; each group's slots
+    // then take the next position's rows. (A thread reads a slot before its copy of the
+    // next row to it is issued; the copy writes it only when its global read returns.)
+    float acc[ITEMS][VEC];
+    float run_max[kStates], run_den[kStates];
+    HW_UNROLL
+    for (int i = 0; i < ITEMS; ++i) {
+      HW_UNROLL
+      for (int k = 0; k < VEC; ++k) acc[i][k] = 0.f;
+    }
+    HW_UNROLL
+    for (int s = 0; s < kStates; ++s) {
+      run_max[s] = -INFINITY;
+      run_den[s] = 0.f;
+    }
+    const T* next_row = next_src;
+    for (int g = 0; g < groups; ++g, next_row += G * stride_n) {
+      const int n0 = G * g;
+      // r of rows n0 and n0 + 1: lane 16 j + w holds warp w's sum of row n0 + j.
+      float r[G];
+      {
+        const int n = n0 + (lane >> 4), w = lane & 15;
+        float s = w < nwarps && n < num_src ? s_ss[n * kStagedSsPitch + w] : 0.f;
+        HW_UNROLL
+        for (int offset = 8; offset > 0; offset >>= 1) s += __shfl_xor_sync(hw::kFullWarp, s, offset);
+        const float r_lane = rsqrtf(s * inv_d + p.route.eps);
+        HW_UNROLL
+        for (int j = 0; j < G; ++j) r[j] = __shfl_sync(hw::kFullWarp, r_lane, 16 * j);
+      }
+      // The group with its first R rows present (an odd N's last group has one).
+      auto fold_group = [&](auto rows_present) {
+        constexpr int R = decltype(rows_present)::value;
+        float x[R][ITEMS][VEC];
+        float logit[R][kStates];
+        HW_UNROLL
+        for (int j = 0; j < R; ++j) {
+          float part[ITEMS];
+          HW_UNROLL
+          for (int i = 0; i < ITEMS; ++i) {
+            hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(slots + ((n0 + j) * ITEMS + i) * nthreads)), x[j][i]);
+            float u[VEC];
+            HW_UNROLL
+            for (int k = 0; k < VEC; ++k) u[k] = x[j][i][k] * r[j];
+            hw::round_vec_to<T, VEC>(u);
+            float l = 0.f;
+            HW_UNROLL
+            for (int k = 0; k < VEC; ++k) l += u[k] * qg[i][k];
+            part[i] = l;
+          }
+          if constexpr (kWarpHeads) {
+            logit[j][0] = hw::warp_sum(part[0] + part[1]);
+          } else {
+            HW_UNROLL
+            for (int i = 0; i < ITEMS; ++i) logit[j][i] = hw::warp_segment_sum(part[i], kv);
+          }
+        }
+        HW_UNROLL
+        for (int s = 0; s < kStates; ++s) {
+          const float old_max = run_max[s];
+          float new_max = old_max;
+          HW_UNROLL
+          for (int j = 0; j < R; ++j) new_max = fmaxf(new_max, logit[j][s]);
+          // Rescale only when the head's max rose and not on the first group (the
+          // streaming kernel's rule: the same products where they are needed).
+          float den = run_den[s];
+          if (new_max > old_max) {
+            if (old_max != -INFINITY) {
+              const float alpha = hw::exp_ftz(old_max - new_max);
+              den *= alpha;
+              HW_UNROLL
+              for (int i = 0; i < ITEMS; ++i) {
+                if (state_of(i) != s) continue;
+                HW_UNROLL
+                for (int k = 0; k < VEC; ++k) acc[i][k] *= alpha;
+              }
+            }
+            run_max[s] = new_max;
+          }
+          float prob[R];
+          HW_UNROLL
+          for (int j = 0; j < R; ++j) {
+            prob[j] = hw::exp_ftz(logit[j][s] - new_max);
+            den += prob[j];
+          }
+          HW_UNROLL
+          for (int i = 0; i < ITEMS; ++i) {
+            if (state_of(i) != s) continue;
+            HW_UNROLL
+            for (int k = 0; k < VEC; ++k) {
+              float a = acc[i][k];
+              HW_UNROLL
+              for (int j = 0; j < R; ++j) a += prob[j] * x[j][i][k];
+              acc[i][k] = a;
+            }
+          }
+          run_den[s] = den;
+        }
+        HW_UNROLL
+        for (int i = 0; i < ITEMS; ++i) {
+          if (!first[i]) continue;
+          HW_UNROLL
+          for (int j = 0; j < R; ++j) s_logit[(n0 + j) * heads + head[i]] = logit[j][state_of(i)];
+        }
+      };
+      if (n0 + G <= num_src) fold_group(std::integral_constant<int, G>{});
+      else fold_group(std::integral_constant<int, 1>{});
+      if (has_next) issue_group(next_row, n0);
+    }
+
+    // Epilogue: the output row, the heads' max and 1 / den; then the weights.
+    T* out = static_cast<T*>(p.out) + pos * p.route.d + static_cast<int64_t>(v0) * VEC;
+    const T* res = p.residual == nullptr ? nullptr
+                                         : static_cast<const T*>(p.residual) + b * p.res_stride_b +
+                                               t * p.res_stride_t + static_cast<int64_t>(v0) * VEC;
+    float inv_den[kStates];
+    HW_UNROLL
+    for (int s = 0; s < kStates; ++s) inv_den[s] = 1.f / run_den[s];
+    HW_UNROLL
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!valid[i]) continue;
+      const float scale = gate * inv_den[state_of(i)];
+      float rv[VEC];
+      HW_UNROLL
+      for (int k = 0; k < VEC; ++k) rv[k] = 0.f;
+      if (res != nullptr) hw::load_as_float<VEC>(res + i * 32 * VEC, rv);
+      float y[VEC];
+      HW_UNROLL
+      for (int k = 0; k < VEC; ++k) y[k] = acc[i][k] * scale + rv[k];
+      hw::store_from_float<VEC>(out + i * 32 * VEC, y);
+      if (first[i]) {
+        s_max[head[i]] = run_max[state_of(i)];
+        s_den[head[i]] = inv_den[state_of(i)];
+      }
+    }
+    __syncthreads();
+    // w [N, B, T, H]: for each n, the H weights of this position are contiguous. The
+    // next position writes s_logit, s_max and s_den only after its pass-A barrier.
+    const int nh = num_src * heads;
+    for (int e = tid; e < nh; e += nthreads) {
+      const int n = e / heads;
+      const int h = e - n * heads;
+      p.weights[(n * p.route.positions + pos) * heads + h] = hw::exp_ftz(s_logit[e] - s_max[h]) * s_den[h];
+    }
+  }
+}
+
+}  // namespace mhar
+}  // namespace headwise
