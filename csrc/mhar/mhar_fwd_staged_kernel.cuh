@@ -16,15 +16,17 @@
 // Design, per position (the streaming kernel's stage of 2 rows costs two barriers, a block
 // and a head reduction and a softmax step; here a position costs two barriers):
 //   - Rows: each thread copies its own vectors of the N rows (cp.async.cg, 16 bytes, a
-//     warp's request 512 contiguous bytes) into thread-private slots [n][item][tid] and
-//     reads back only those, so no barrier guards them; one commit group per 2 rows. The
+//     warp's request 512 contiguous bytes) into slots [n][item][tid]; only its warp reads
+//     them (pass A's ldmatrix; pass B a lane its own), so no block barrier guards them, a
+//     __syncwarp after each wait; one commit group per 2 rows. The
 //     next position's rows are copied into the slots as this position's last pass frees
 //     them, so they are in flight for the rest of this position and its epilogue.
 //   - Thread layout: thread (warp w, lane l) holds vectors v = 64 w + 32 i + l (i < 2). A
 //     head of 64 vectors is then one warp (both items), a head of kv <= 32 a segment of kv
 //     lanes of one item: every logit is a warp (segment) reduction, no barrier.
-//   - Pass A: the rows' sums of squares; a warp's sums of 2 rows by one reduce-scatter,
-//     stored as [n][warp]. One barrier.
+//   - Pass A: the rows' sums of squares on tensor cores (each a diagonal of a warp's
+//     A A^T, its 64 vectors A's rows: sum_of_squares), a warp's sums of 2 rows by one
+//     reduce-scatter, stored as [n][warp]. One barrier.
 //   - Pass B: per 2 rows, r_n from the warp sums (lanes 16 j + w add row n0 + j's sums by a
 //     butterfly), the rows re-read, u = round(s r), the logits reduced over the head's
 //     lanes, and the online-softmax fold of the 2 rows (as the streaming kernel's stage:
@@ -37,9 +39,8 @@
 // bench/ptxas_sm90.txt), so a whole position, 144 KiB an SM, is in flight where the
 // streaming kernel has one 2-row stage (36 KiB; HBM needs ~25 KiB an SM at its latency).
 // A thread reads a slot with LDS.128 (a warp's 512 contiguous bytes).
-// Each element is unpacked twice (pass A and pass B) where the streaming kernel unpacks it
-// once; in return the reductions, barriers and softmax steps are per position, not per
-// stage.
+// Each element is unpacked once, in pass B, as in the streaming kernel; the reductions,
+// barriers and softmax steps are per position, not per stage.
 #pragma once
 
 #include "../common/mma_primitives.cuh"
@@ -150,6 +151,30 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
     hw::cp_async_commit();
   };
   if (blockIdx.x >= p.route.positions) return;  // the launcher's grid is at most the positions
+  // This lane's share of the sum of squares of the warp's 64 vectors of row n: with A the
+  // 16 x 16 tile whose 8-element row halves are the 32 lanes' vectors of one item (lane L's
+  // own slot is ldmatrix's row address L), B = the transpose of A's rows 0-7 is A's own
+  // fragment registers {a0, a2}, so D = A B has the squared norms of rows 0-7 on D[m][m];
+  // B = {a1, a3}, the transpose of rows 8-15, puts theirs on D[8 + m][m]. The two products
+  // accumulate apart (each one's other entries are cross products, and D[m][m] of the
+  // second is one); both items go into the same two. Lane 4 m + m / 2 holds D[m][m] and
+  // D[8 + m][m]. A warp's row costs 2 ldmatrix and 4 m16n8k16 where the SIMT sums take 2
+  // loads, 16 unpacks and 16 FFMA a lane; the products are exact in fp32, the sums fp32.
+  const int mma_g = lane >> 2, mma_t = lane & 3;
+  const bool diag_lane = mma_t == (mma_g >> 1);
+  auto sum_of_squares = [&](int n) {
+    float upper[4] = {0.f, 0.f, 0.f, 0.f}, lower[4] = {0.f, 0.f, 0.f, 0.f};
+    HW_UNROLL
+    for (int i = 0; i < ITEMS; ++i) {
+      uint32_t a[4];
+      hw::ldmatrix<4>(a, slots + (n * ITEMS + i) * nthreads);
+      const uint32_t upper_t[2] = {a[0], a[2]}, lower_t[2] = {a[1], a[3]};
+      hw::mma_step<T>(upper, a, upper_t);
+      hw::mma_step<T>(lower, a, lower_t);
+    }
+    return diag_lane ? ((mma_g & 1) ? upper[1] + lower[3] : upper[0] + lower[2]) : 0.f;
+  };
+
   const T* sources = static_cast<const T*>(p.route.sources) + static_cast<int64_t>(v0) * VEC;
   IndexSteps bt(blockIdx.x, gridDim.x, static_cast<int>(p.route.seq));  // the position's (b, t)
   const T* src = sources + bt.q * p.route.src_stride_b + bt.r * p.route.src_stride_t;
@@ -161,24 +186,17 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
     bt.next();
     const T* next_src = sources + bt.q * p.route.src_stride_b + bt.r * p.route.src_stride_t;
 
-    // Pass A: the sums of squares of the rows, a group's two by one reduce-scatter; the
-    // newer commit groups are this position's later ones.
+    // Pass A: the sums of squares of the rows on tensor cores (sum_of_squares), a group's
+    // two warp sums by one reduce-scatter; the newer commit groups are this position's
+    // later ones. ldmatrix hands each lane other lanes' copies: a __syncwarp after the
+    // wait makes them visible.
     for (int g = 0; g < groups; ++g) {
       hw::cp_async_wait_upto(groups - 1 - g);
+      __syncwarp();
       const int n0 = G * g;
       float ss[G];
       HW_UNROLL
-      for (int j = 0; j < G; ++j) {
-        ss[j] = 0.f;
-        if (n0 + j >= num_src) continue;
-        HW_UNROLL
-        for (int i = 0; i < ITEMS; ++i) {
-          float x[VEC];
-          hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(slots + ((n0 + j) * ITEMS + i) * nthreads)), x);
-          HW_UNROLL
-          for (int k = 0; k < VEC; ++k) ss[j] += x[k] * x[k];
-        }
-      }
+      for (int j = 0; j < G; ++j) ss[j] = n0 + j < num_src ? sum_of_squares(n0 + j) : 0.f;
       hw::warp_sum_scatter(ss);
       hw::store_scattered_sums(ss, [&](int c, float sum) {
         if (n0 + c < num_src) s_ss[(n0 + c) * kStagedSsPitch + warp] = sum;
