@@ -140,15 +140,20 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
 
   // Copies rows [n0, n0 + G) of a position (those < N) into their slots as one commit
   // group; row: row n0 of the position at the thread's first vector.
-  auto issue_group = [&](const T* row, int n0) {
+  // (Heads of 64 vectors make nvec a multiple of 64: every item is present.)
+  auto present = [&](int i) { return kWarpHeads || valid[i]; };
+  auto issue_rows = [&](auto rows, const T* row, PackT* slot) {
     HW_UNROLL
-    for (int j = 0; j < G; ++j) {
-      if (n0 + j >= num_src) break;
+    for (int j = 0; j < decltype(rows)::value; ++j) {
       HW_UNROLL
       for (int i = 0; i < ITEMS; ++i)
-        if (valid[i]) hw::cp_async_cg16_full(slots + ((n0 + j) * ITEMS + i) * nthreads, row + j * stride_n + i * 32 * VEC);
+        if (present(i)) hw::cp_async_cg16_full(slot + (j * ITEMS + i) * nthreads, row + j * stride_n + i * 32 * VEC);
     }
     hw::cp_async_commit();
+  };
+  auto issue_group = [&](const T* row, int n0) {
+    if (n0 + G <= num_src) issue_rows(std::integral_constant<int, G>{}, row, slots + n0 * ITEMS * nthreads);
+    else issue_rows(std::integral_constant<int, 1>{}, row, slots + n0 * ITEMS * nthreads);
   };
   if (blockIdx.x >= p.route.positions) return;  // the launcher's grid is at most the positions
   // This lane's share of the sum of squares of the warp's 64 vectors of row n: with A the
@@ -234,6 +239,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
         for (int j = 0; j < G; ++j) r[j] = __shfl_sync(hw::kFullWarp, r_lane, 16 * j);
       }
       // The group with its first R rows present (an odd N's last group has one).
+      PackT* const group_slots = slots + n0 * ITEMS * nthreads;
       auto fold_group = [&](auto rows_present) {
         constexpr int R = decltype(rows_present)::value;
         float x[R][ITEMS][VEC];
@@ -243,7 +249,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
           float part[ITEMS];
           HW_UNROLL
           for (int i = 0; i < ITEMS; ++i) {
-            hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(slots + ((n0 + j) * ITEMS + i) * nthreads)), x[j][i]);
+            hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(group_slots + (j * ITEMS + i) * nthreads)), x[j][i]);
             float u[VEC];
             HW_UNROLL
             for (int k = 0; k < VEC; ++k) u[k] = x[j][i][k] * r[j];
@@ -307,10 +313,10 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
           HW_UNROLL
           for (int j = 0; j < R; ++j) s_logit[(n0 + j) * heads + head[i]] = logit[j][state_of(i)];
         }
+        if (has_next) issue_rows(rows_present, next_row, group_slots);
       };
       if (n0 + G <= num_src) fold_group(std::integral_constant<int, G>{});
       else fold_group(std::integral_constant<int, 1>{});
-      if (has_next) issue_group(next_row, n0);
     }
 
     // Epilogue: the output row, the heads' max and 1 / den; then the weights.
@@ -323,7 +329,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
     for (int s = 0; s < kStates; ++s) inv_den[s] = 1.f / run_den[s];
     HW_UNROLL
     for (int i = 0; i < ITEMS; ++i) {
-      if (!valid[i]) continue;
+      if (!present(i)) continue;
       const float scale = gate * inv_den[state_of(i)];
       float rv[VEC];
       HW_UNROLL
