@@ -128,7 +128,8 @@ run_capped 30 "emulator launch limits" $PY -X faulthandler -m pytest -q -p no:xd
 cd ..
 
 stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
-run_capped 90 "calibrate" $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
+# The MHAR estimates of that file are the streaming forward's (2026-12-05): time that one.
+run_capped 90 "calibrate" env HEADWISE_MHAR_FWD_STAGED=0 $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
   --estimates bench/sim_profile_h200_2026-12-05_dcmha_tf32.json --json "$RES/calibration.json"
 
 stage "ncu: the merge forward and grad_z, the MHAR forward, the DCMHA forward sweeps and output kernel (one launch each)"

@@ -37,12 +37,14 @@ def main():
             query = torch.randn(d, device="cuda", requires_grad=True)
             norm_weight = torch.ones(d, device="cuda", requires_grad=True)
             out = headwise.mhar_route(sources, query, norm_weight, num_heads=h)
-            out.float().sum().backward()
             # Delta mode: residual added in the kernel, gated mix, gate gradient.
             residual = torch.randn(b, t, d, device="cuda", dtype=dtype)
             gate = torch.tensor(0.5, device="cuda", requires_grad=True)
-            out = headwise.mhar_route(sources, query, norm_weight, num_heads=h, residual=residual, gate=gate)
-            out.float().sum().backward()
+            delta = headwise.mhar_route(sources, query, norm_weight, num_heads=h, residual=residual, gate=gate)
+            if staged == "1":  # the streaming pass re-runs the forward only
+                out.float().sum().backward()
+                delta.float().sum().backward()
+    os.environ.pop("HEADWISE_MHAR_FWD_STAGED")
     for layout, b, s, dm, rope in QKV_CASES:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(b, s, dm, device="cuda", dtype=dtype, requires_grad=True)

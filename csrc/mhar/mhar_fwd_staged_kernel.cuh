@@ -3,7 +3,7 @@
 //
 // Budget (bf16, N = 9, d = 4096, H = 8, B T = 8192): a position reads N rows (72 KiB) and
 // writes one (8 KiB) and N H fp32 weights: 673 MB in all, 0.14 ms at the H200's 4.8 TB/s.
-// Its arithmetic is ~8 fp32 operations per source element (square, normalize, round, logit,
+// Its arithmetic is ~8 operations per source element (square, normalize, round, logit,
 // fold), ~0.3 GFLOP: HBM-bound by ~10x over the FP32 ceiling, so what sets the pace is
 // instruction issue and the latency between the loads and their use (the first H200 run
 // measured the streaming kernel at 16% of HBM: bench/RESULTS.md).
@@ -16,11 +16,12 @@
 // Design, per position (the streaming kernel's stage of 2 rows costs two barriers, a block
 // and a head reduction and a softmax step; here a position costs two barriers):
 //   - Rows: each thread copies its own vectors of the N rows (cp.async.cg, 16 bytes, a
-//     warp's request 512 contiguous bytes) into slots [n][item][tid]; only its warp reads
-//     them (pass A's ldmatrix; pass B a lane its own), so no block barrier guards them, a
-//     __syncwarp after each wait; one commit group per 2 rows. The
-//     next position's rows are copied into the slots as this position's last pass frees
-//     them, so they are in flight for the rest of this position and its epilogue.
+//     warp's request 512 contiguous bytes) into slots [n][item][tid], one commit group per
+//     2 rows; only its warp reads them: pass A's ldmatrix, after a wait and a __syncwarp
+//     (the lanes' copies), and pass B, a lane its own. The next position's rows are copied
+//     into the slots as pass B frees them, so they are in flight for the rest of this
+//     position and its epilogue; pass A's __syncthreads orders the other lanes' ldmatrix
+//     reads of a slot before its owner's next copy to it (a __syncwarp would be the least).
 //   - Thread layout: thread (warp w, lane l) holds vectors v = 64 w + 32 i + l (i < 2). A
 //     head of 64 vectors is then one warp (both items), a head of kv <= 32 a segment of kv
 //     lanes of one item: every logit is a warp (segment) reduction, no barrier.
@@ -35,8 +36,8 @@
 //     coalesced, by threads over (n, h), as in the streaming kernel.
 // Shared memory: N 16 warp sums, the logits [N, H], max and 1 / den [H], then the rows
 // (N x 2 x blockDim.x x 16 bytes: 72 KiB at the shape above). The launcher keeps it within
-// half an SM's (2 CTAs an SM, which is also what 101-128 registers allow 256-thread CTAs:
-// bench/ptxas_sm90.txt), so a whole position, 144 KiB an SM, is in flight where the
+// half an SM's (2 CTAs an SM, which is also what 81-128 registers allow 256-thread CTAs;
+// these kernels take 96-128: bench/ptxas_sm*.txt), so a whole position, 144 KiB an SM, is in flight where the
 // streaming kernel has one 2-row stage (36 KiB; HBM needs ~25 KiB an SM at its latency).
 // A thread reads a slot with LDS.128 (a warp's 512 contiguous bytes).
 // Each element is unpacked once, in pass B, as in the streaming kernel; the reductions,
@@ -164,7 +165,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
   // accumulate apart (each one's other entries are cross products, and D[m][m] of the
   // second is one); both items go into the same two. Lane 4 m + m / 2 holds D[m][m] and
   // D[8 + m][m]. A warp's row costs 2 ldmatrix and 4 m16n8k16 where the SIMT sums take 2
-  // loads, 16 unpacks and 16 FFMA a lane; the products are exact in fp32, the sums fp32.
+  // loads, 16 unpacks and 16 FFMA a lane. The products are exact in fp32; the tensor core
+// adds them at fp32 width but not round-to-nearest (simt/primitives.h), a bias below the
+// last bit of r_n's sum of positive terms.
   const int mma_g = lane >> 2, mma_t = lane & 3;
   const bool diag_lane = mma_t == (mma_g >> 1);
   auto sum_of_squares = [&](int n) {
@@ -210,8 +213,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
     __syncthreads();
 
     // Pass B: logits and the online-softmax fold, 2 rows at a time; each group's slots
-    // then take the next position's rows. (A thread reads a slot before its copy of the
-    // next row to it is issued; the copy writes it only when its global read returns.)
+    // then take the next position's rows. (Every other lane read the slot in pass A, before
+    // the barrier; its owner reads it here before issuing the copy, which writes it only
+    // when its global read returns.)
     float acc[ITEMS][VEC];
     float run_max[kStates], run_den[kStates];
     HW_UNROLL
