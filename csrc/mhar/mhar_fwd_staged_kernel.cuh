@@ -139,10 +139,16 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
   }
   const float gate = p.gate == nullptr ? 1.f : *p.gate;
 
-  // Copies rows [n0, n0 + G) of a position (those < N) into their slots as one commit
-  // group; row: row n0 of the position at the thread's first vector.
-  // (Heads of 64 vectors make nvec a multiple of 64: every item is present.)
+  // Whether item i is present (heads of 64 vectors make nvec a multiple of 64: every item).
   auto present = [&](int i) { return kWarpHeads || valid[i]; };
+  // f(std::integral_constant<int, R>) for the group of rows [n0, n0 + G): R = G, or the
+  // 1 row left of an odd N.
+  auto with_group_rows = [&](int n0, auto&& f) {
+    if (n0 + G <= num_src) f(std::integral_constant<int, G>{});
+    else f(std::integral_constant<int, 1>{});
+  };
+  // Copies `rows` rows of a position into their slots as one commit group; row: the
+  // first of them at the thread's first vector, slot: its slot of item 0.
   auto issue_rows = [&](auto rows, const T* row, PackT* slot) {
     HW_UNROLL
     for (int j = 0; j < decltype(rows)::value; ++j) {
@@ -151,10 +157,6 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
         if (present(i)) hw::cp_async_cg16_full(slot + (j * ITEMS + i) * nthreads, row + j * stride_n + i * 32 * VEC);
     }
     hw::cp_async_commit();
-  };
-  auto issue_group = [&](const T* row, int n0) {
-    if (n0 + G <= num_src) issue_rows(std::integral_constant<int, G>{}, row, slots + n0 * ITEMS * nthreads);
-    else issue_rows(std::integral_constant<int, 1>{}, row, slots + n0 * ITEMS * nthreads);
   };
   if (blockIdx.x >= p.route.positions) return;  // the launcher's grid is at most the positions
   // This lane's share of the sum of squares of the warp's 64 vectors of row n: with A the
@@ -166,8 +168,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
   // second is one); both items go into the same two. Lane 4 m + m / 2 holds D[m][m] and
   // D[8 + m][m]. A warp's row costs 2 ldmatrix and 4 m16n8k16 where the SIMT sums take 2
   // loads, 16 unpacks and 16 FFMA a lane. The products are exact in fp32; the tensor core
-// adds them at fp32 width but not round-to-nearest (simt/primitives.h), a bias below the
-// last bit of r_n's sum of positive terms.
+  // adds them at fp32 width but not round-to-nearest (simt/primitives.h), a bias below the
+  // last bit of r_n's sum of positive terms.
   const int mma_g = lane >> 2, mma_t = lane & 3;
   const bool diag_lane = mma_t == (mma_g >> 1);
   auto sum_of_squares = [&](int n) {
@@ -186,7 +188,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
   const T* sources = static_cast<const T*>(p.route.sources) + static_cast<int64_t>(v0) * VEC;
   IndexSteps bt(blockIdx.x, gridDim.x, static_cast<int>(p.route.seq));  // the position's (b, t)
   const T* src = sources + bt.q * p.route.src_stride_b + bt.r * p.route.src_stride_t;
-  for (int g = 0; g < groups; ++g) issue_group(src + G * g * stride_n, G * g);
+  for (int g = 0; g < groups; ++g)
+    with_group_rows(G * g, [&](auto rows) { issue_rows(rows, src + G * g * stride_n, slots + G * g * ITEMS * nthreads); });
 
   for (int64_t pos = blockIdx.x; pos < p.route.positions; pos += gridDim.x) {
     const int64_t b = bt.q, t = bt.r;
@@ -319,8 +322,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
         }
         if (has_next) issue_rows(rows_present, next_row, group_slots);
       };
-      if (n0 + G <= num_src) fold_group(std::integral_constant<int, G>{});
-      else fold_group(std::integral_constant<int, 1>{});
+      with_group_rows(n0, fold_group);
     }
 
     // Epilogue: the output row, the heads' max and 1 / den; then the weights.
@@ -349,14 +351,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
       }
     }
     __syncthreads();
-    // w [N, B, T, H]: for each n, the H weights of this position are contiguous. The
-    // next position writes s_logit, s_max and s_den only after its pass-A barrier.
-    const int nh = num_src * heads;
-    for (int e = tid; e < nh; e += nthreads) {
-      const int n = e / heads;
-      const int h = e - n * heads;
-      p.weights[(n * p.route.positions + pos) * heads + h] = hw::exp_ftz(s_logit[e] - s_max[h]) * s_den[h];
-    }
+    // The next position writes s_logit, s_max and s_den only after its pass-A barrier.
+    store_position_weights(p, pos, s_logit, s_max, s_den);
   }
 }
 

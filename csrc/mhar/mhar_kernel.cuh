@@ -613,6 +613,21 @@ class HeadSums {
   unsigned calls_ = 0;
 };
 
+// The forwards' last step of a position, after a barrier: w[n,h] = exp(l[n,h] - max_h) /
+// den_h from the raw logits s_logit [N, H], s_max [H] and s_den [H] (1 / den), written
+// once by threads over (n, h). In w [N, B, T, H] the H weights of each n are contiguous
+// (coalesced).
+__device__ __forceinline__ void store_position_weights(const FwdParams& p, int64_t pos, const float* s_logit,
+                                                       const float* s_max, const float* s_den) {
+  const int heads = static_cast<int>(p.route.heads);
+  const int nh = p.route.num_sources * heads;
+  for (int e = threadIdx.x; e < nh; e += blockDim.x) {
+    const int n = e / heads;
+    const int h = e - n * heads;
+    p.weights[(n * p.route.positions + pos) * heads + h] = hw::exp_ftz(s_logit[e] - s_max[h]) * s_den[h];
+  }
+}
+
 // Forward. Blocks loop over positions (grid <= positions); per position one pass over
 // the N rows in stages of ROWS rows (PREFETCH: the next stage's loads issued before the
 // current stage's reductions), folding each stage into a [ITEMS, VEC] fp32 accumulator
@@ -629,7 +644,6 @@ class HeadSums {
 // kernel forms it.
 template <typename T, int VEC, int ITEMS, int ROWS, bool PREFETCH, HeadReduce MODE>
 __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdParams p) {
-  const int tid = threadIdx.x;
   const int nthreads = blockDim.x;
   const int nvec = static_cast<int>(p.route.d / VEC);
   const int kv = static_cast<int>(p.route.head_dim / VEC);
@@ -804,13 +818,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
       }
     }
     __syncthreads();
-    // w [N, B, T, H]: for each n, the H weights of this position are contiguous.
-    const int nh = num_src * heads;
-    for (int e = tid; e < nh; e += nthreads) {
-      const int n = e / heads;
-      const int h = e - n * heads;
-      p.weights[(n * p.route.positions + pos) * heads + h] = hw::exp_ftz(s_logit[e] - s_max[h]) * s_den[h];
-    }
+    store_position_weights(p, pos, s_logit, s_max, s_den);
   }
 }
 

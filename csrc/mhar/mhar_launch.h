@@ -103,14 +103,14 @@ void dispatch_plan(const Plan& plan, F&& f) {
   }
 }
 
-// Whether the forward takes the staged kernel (mhar_fwd_staged_kernel.cuh): 16-bit sources
-// on the 16-byte path, heads within a warp, and the rows of a position within
+// Whether the forward of 16-bit sources takes the staged kernel (mhar_fwd_staged_kernel.cuh):
+// the 16-byte path, heads within a warp, and the rows of a position within
 // kStagedSmemBudget and half the device's opt-in limit (2 CTAs an SM on an A100 as on an
 // H100). HEADWISE_MHAR_FWD_STAGED=0 keeps the streaming kernel (the tests run both; the
 // device check times both).
 static_assert(kStagedItems == kItemsVec8, "the staged kernel runs the vector layout's threads");
-inline bool fwd_staged_fits(const Shape& s, const Plan& plan, size_t elem_size) {
-  if (plan.vec != 8 || elem_size != 2 || !fwd_staged_heads(s.head_dim / 8)) return false;
+inline bool fwd_staged_fits(const Shape& s, const Plan& plan) {
+  if (plan.vec != 8 || !fwd_staged_heads(s.head_dim / 8)) return false;
   if (const char* env = std::getenv("HEADWISE_MHAR_FWD_STAGED"); env != nullptr && std::strcmp(env, "0") == 0)
     return false;
   const int64_t limit = std::min<int64_t>(kStagedSmemBudget, static_cast<int64_t>(hw::max_dynamic_smem_optin()) / 2 - 1024);
@@ -192,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
   dispatch_storage_dtype(sources.scalar_type(), "mhar_route", "sources", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (sizeof(T) == 2) {
-      if (fwd_staged_fits(s, plan, sizeof(T))) {
+      if (fwd_staged_fits(s, plan)) {
         auto kernel = s.head_dim / 8 == 64 ? &mhar_route_fwd_staged_kernel<T, true>
                                             : &mhar_route_fwd_staged_kernel<T, false>;
         const size_t smem_bytes = static_cast<size_t>(fwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads));

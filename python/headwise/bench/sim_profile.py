@@ -548,8 +548,8 @@ def _finish(rec: dict, spec: OpSpec, shape: dict, reports, issue_reports=None) -
     rec["threads"] = threads
     rec["ctas_per_sm"] = ctas_per_sm(threads, rec["registers"], rec["dynamic_smem_bytes"] + (rec["static_smem_bytes"] or 0))
     rec["min_bytes"] = spec.min_bytes(shape)[rec["phase"]]
-    rec["min_flops"] = sum(spec.flops(shape)[rec["phase"]].values())
     flops = spec.flops(shape)[rec["phase"]]
+    rec["min_flops"] = sum(flops.values())
     rec.update(estimate(rec, flops.get(rec["kernel"], flops.get(SAME_FLOPS_AS.get(rec["kernel"]), 0))))
     return rec
 
