@@ -25,7 +25,7 @@ bench: $(VENV)/.installed
 
 # Sanitizer run: a separate CPU-only build into build-asan/ (the installed package is
 # untouched), imported from build-asan/pkg with libasan/libubsan preloaded into python.
-SANITIZE_TESTS ?= mhar/test_mhar_route.py mhar/test_mhar_fwd_staged.py mhar/test_depth_buffer.py qkv/test_qkv_project.py merge/test_head_merge.py robustness/test_fuzz.py
+SANITIZE_TESTS ?= mhar/test_mhar_route.py mhar/test_mhar_fwd_staged.py mhar/test_mhar_bwd_staged.py mhar/test_depth_buffer.py qkv/test_qkv_project.py merge/test_head_merge.py robustness/test_fuzz.py
 sanitize: $(VENV)/.deps
 	HEADWISE_SANITIZE=1 HEADWISE_FORCE_CUDA=0 $(PY) setup.py -q build_ext -b build-asan/lib -t build-asan/tmp
 	rm -rf build-asan/pkg && mkdir -p build-asan/pkg && cp -r python/headwise build-asan/pkg/

@@ -107,6 +107,20 @@ def run(flag):
 t = interleaved_median_ms({'staged': (lambda: run('1'), None), 'streaming': (lambda: run('0'), None)}, torch.device('cuda'), repeats=20, warmup=3)
 print('mhar_route forward N=9 B=2 T=4096 d=4096 H=8 bf16 (673 MB: 0.140 ms at 4.8 TB/s):', {k: round(v, 3) for k, v in t.items()}, 'ms')"
 
+stage "MHAR backward: the staged kernel (rows, dout, weights in shared memory by cp.async) against mhar_route_bwd_kernel"
+run_capped 40 "mhar bwd staged A/B" $PY -c "
+import os, torch, headwise
+from headwise.bench.timing import interleaved_median_ms
+src = torch.randn(9, 2, 4096, 4096, device='cuda', dtype=torch.bfloat16)
+q = 0.3 * torch.randn(4096, device='cuda'); g = torch.ones(4096, device='cuda')
+_, w = torch.ops.headwise.mhar_route(src, q, g, 8, 9, 1e-6, None, None)
+dout = torch.randn(2, 4096, 4096, device='cuda', dtype=torch.bfloat16)
+def run(flag):
+    os.environ['HEADWISE_MHAR_BWD_STAGED'] = flag
+    return torch.ops.headwise.mhar_route_backward(dout, src, q, g, w, None, 8, 9, 1e-6)
+t = interleaved_median_ms({'staged': (lambda: run('1'), None), 'unstaged': (lambda: run('0'), None)}, torch.device('cuda'), repeats=20, warmup=3)
+print('mhar_route backward N=9 B=2 T=4096 d=4096 H=8 bf16 (1277 MB: 0.266 ms at 4.8 TB/s):', {k: round(v, 3) for k, v in t.items()}, 'ms')"
+
 stage "primitive self-tests and sample GEMM on the GPU (lane maps against the hardware)"
 cd tests
 run_capped 60 "primitive tests" $PY -m pytest -q -ra -k cuda --junitxml="$RES/primitive_tests.xml" \
@@ -128,18 +142,19 @@ run_capped 30 "emulator launch limits" $PY -X faulthandler -m pytest -q -p no:xd
 cd ..
 
 stage "H200 estimates beside GPU times (calibrates the emulator's estimate)"
-# The MHAR estimates of that file are the streaming forward's (2026-12-05): time that one.
-run_capped 90 "calibrate" env HEADWISE_MHAR_FWD_STAGED=0 $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
+# The MHAR estimates of that file are the streaming forward's and the unstaged backward's
+# (2026-12-05): time those.
+run_capped 90 "calibrate" env HEADWISE_MHAR_FWD_STAGED=0 HEADWISE_MHAR_BWD_STAGED=0 $PY -m headwise.bench.calibrate merge mhar qkv dcmha_compose \
   --estimates bench/sim_profile_h200_2026-12-05_dcmha_tf32.json --json "$RES/calibration.json"
 
-stage "ncu: the merge forward and grad_z, the MHAR forward, the DCMHA forward sweeps and output kernel (one launch each)"
+stage "ncu: the merge forward and grad_z, the MHAR forward and backward, the DCMHA forward sweeps and output kernel (one launch each)"
 # MHAR measured at 16% of HBM and the DCMHA forward at 6x its estimate with no counters
 # read: SpeedOfLight, the memory tables, occupancy and the warp-state (stall) sections
 # say what bounds them. The L2 hit rate checks the DCMHA output kernel's heads-fastest grid
 # (its heads of a query tile share the scratch partials: bench/RESULTS.md, 2026-12-06).
 run_capped 60 "ncu" ncu --clock-control none \
-  --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc|mhar_route_fwd|dcmha_attn_sweep|dcmha_attn_output" \
-  --launch-count 6 --metrics lts__t_sector_hit_rate.pct \
+  --kernel-name regex:"head_merge_(fwd|bwd_dz)_tc|mhar_route_(fwd|bwd)|dcmha_attn_sweep|dcmha_attn_output" \
+  --launch-count 7 --metrics lts__t_sector_hit_rate.pct \
   --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section Occupancy --section WarpStateStats \
   $PY -c "
 import torch, headwise
@@ -147,9 +162,9 @@ from headwise.bench.targets import _dcmha_inputs
 z = torch.randn(4, 32, 4096, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)
 w = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16, requires_grad=True)
 headwise.head_merge(z, w, None, head_gate=torch.ones(32, device='cuda')).sum().backward()
-src = torch.randn(9, 2, 4096, 4096, device='cuda', dtype=torch.bfloat16)
+src = torch.randn(9, 2, 4096, 4096, device='cuda', dtype=torch.bfloat16, requires_grad=True)
 query = 0.3 * torch.randn(4096, device='cuda'); norm_weight = torch.ones(4096, device='cuda')
-headwise.mhar_route(src, query, norm_weight, num_heads=8)
+headwise.mhar_route(src, query, norm_weight, num_heads=8).float().sum().backward()
 q, k, v, dw, _ = _dcmha_inputs({'b': 1, 'h': 32, 't': 2048, 'dh': 128}, torch.device('cuda'), torch.bfloat16)
 with torch.no_grad():
     headwise.dcmha_attention(q, k, v, dw)

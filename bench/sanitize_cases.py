@@ -8,9 +8,9 @@ import torch
 import headwise
 
 # (N, B, T, d, H) covering vec8 segment / warps / generic and the scalar paths; 16-bit
-# sources run the forward's staged kernel where it applies (heads within a warp: the
-# first and last two cases, the last with 1030 positions over 1024 blocks and a partial
-# second warp) and its streaming kernel (HEADWISE_MHAR_FWD_STAGED=0).
+# sources run the staged kernels where they apply (heads within a warp: the first and
+# last two cases, the last with 1030 positions over 1024 blocks and a partial second
+# warp) and the others (HEADWISE_MHAR_FWD_STAGED=0, HEADWISE_MHAR_BWD_STAGED=0).
 MHAR_CASES = [(3, 2, 5, 96, 3), (5, 1, 7, 123, 3), (4, 1, 3, 2048, 2), (2, 3, 1, 96, 4), (7, 1, 5, 20, 5),
               (9, 1, 3, 1024, 2), (3, 1, 1030, 576, 9)]
 # (layout, B, S, D_model, rope): every item width (1, 2, 4) of the QKV epilogue kernels.
@@ -32,7 +32,7 @@ def main():
     torch.manual_seed(0)
     for n, b, t, d, h in MHAR_CASES:
         for dtype, staged in ((torch.float32, "1"), (torch.bfloat16, "1"), (torch.bfloat16, "0")):
-            os.environ["HEADWISE_MHAR_FWD_STAGED"] = staged
+            os.environ["HEADWISE_MHAR_FWD_STAGED"] = os.environ["HEADWISE_MHAR_BWD_STAGED"] = staged
             sources = torch.randn(n, b, t, d, device="cuda", dtype=dtype, requires_grad=True)
             query = torch.randn(d, device="cuda", requires_grad=True)
             norm_weight = torch.ones(d, device="cuda", requires_grad=True)
@@ -41,10 +41,10 @@ def main():
             residual = torch.randn(b, t, d, device="cuda", dtype=dtype)
             gate = torch.tensor(0.5, device="cuda", requires_grad=True)
             delta = headwise.mhar_route(sources, query, norm_weight, num_heads=h, residual=residual, gate=gate)
-            if staged == "1":  # the streaming pass re-runs the forward only
-                out.float().sum().backward()
-                delta.float().sum().backward()
+            out.float().sum().backward()
+            delta.float().sum().backward()
     os.environ.pop("HEADWISE_MHAR_FWD_STAGED")
+    os.environ.pop("HEADWISE_MHAR_BWD_STAGED")
     for layout, b, s, dm, rope in QKV_CASES:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(b, s, dm, device="cuda", dtype=dtype, requires_grad=True)

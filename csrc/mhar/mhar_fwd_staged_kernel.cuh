@@ -10,7 +10,7 @@
 //
 // Where it is used: 16-bit sources on the 16-byte path (VEC = 8, 2 vectors a thread), heads
 // of kv = 1, 2, 4, ..., 32 or 64 vectors (within a warp, see below), and the N rows of a
-// position within the launcher's shared-memory budget (fwd_staged_fits); else the streaming
+// position within the launcher's shared-memory budget (staged_fits); else the streaming
 // kernel of mhar_kernel.cuh, which keeps the rows in registers stage by stage.
 //
 // Design, per position (the streaming kernel's stage of 2 rows costs two barriers, a block
@@ -58,7 +58,7 @@ constexpr int kStagedSsPitch = kMaxThreads / 32;  // warp sums a row of s_ss hol
 constexpr int64_t kStagedSmemBudget = 112 * 1024;
 
 // Whether heads of kv vectors lie within a warp in the staged layout.
-__host__ __device__ inline bool fwd_staged_heads(int64_t kv) {
+__host__ __device__ inline bool staged_heads(int64_t kv) {
   return kv == 2 * 32 || (kv >= 1 && kv <= 32 && (kv & (kv - 1)) == 0);
 }
 
@@ -70,6 +70,24 @@ __host__ __device__ inline int64_t fwd_staged_rows_offset(int64_t n, int64_t hea
 __host__ __device__ inline int64_t fwd_staged_smem_bytes(int64_t n, int64_t heads, int64_t threads) {
   return fwd_staged_rows_offset(n, heads) * 4 + n * kStagedItems * threads * 16;
 }
+
+// A thread's vectors of a row in the staged layout: item i is vector v0 + 32 i
+// (v0 = 64 warp + lane), with its head, whether it lies in the row (valid) and whether it
+// is its head's first vector.
+struct StagedItems {
+  int v0;
+  bool valid[kStagedItems], first[kStagedItems];
+  int head[kStagedItems];
+  __device__ StagedItems(int warp, int lane, int nvec, int kv) : v0(warp * 32 * kStagedItems + lane) {
+    HW_UNROLL
+    for (int i = 0; i < kStagedItems; ++i) {
+      const int v = v0 + 32 * i;
+      valid[i] = v < nvec;
+      head[i] = v / kv;
+      first[i] = valid[i] && v % kv == 0;
+    }
+  }
+};
 
 // kWarpHeads: heads of 64 vectors (a warp each); else heads of kv <= 32 vectors (lane
 // segments of an item).
@@ -102,17 +120,11 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
   // The thread's slot of (row n, item i): slots[(n ITEMS + i) nthreads].
   PackT* const slots = reinterpret_cast<PackT*>(smem + fwd_staged_rows_offset(num_src, heads)) + tid;
 
-  // Item i is vector v0 + 32 i of the row.
-  const int v0 = warp * 32 * ITEMS + lane;
-  bool valid[ITEMS], first[ITEMS];
-  int head[ITEMS];
-  HW_UNROLL
-  for (int i = 0; i < ITEMS; ++i) {
-    const int v = v0 + 32 * i;
-    valid[i] = v < nvec;
-    head[i] = v / kv;
-    first[i] = valid[i] && v % kv == 0;
-  }
+  const StagedItems items(warp, lane, nvec, kv);
+  const int v0 = items.v0;
+  const auto& valid = items.valid;
+  const auto& first = items.first;
+  const auto& head = items.head;
   // q * g of the thread's vectors (a warp's item is 32 consecutive vectors: one coalesced
   // octet load each).
   float qg[ITEMS][VEC];

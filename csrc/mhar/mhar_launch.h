@@ -9,6 +9,7 @@
 #include "../common/op_range.h"
 #include "../common/outputs.h"
 #include "mhar_args.h"
+#include "mhar_bwd_staged_kernel.cuh"
 #include "mhar_fwd_staged_kernel.cuh"
 #include "mhar_kernel.cuh"
 #include "mhar_ops.h"
@@ -103,18 +104,18 @@ void dispatch_plan(const Plan& plan, F&& f) {
   }
 }
 
-// Whether the forward of 16-bit sources takes the staged kernel (mhar_fwd_staged_kernel.cuh):
-// the 16-byte path, heads within a warp, and the rows of a position within
-// kStagedSmemBudget and half the device's opt-in limit (2 CTAs an SM on an A100 as on an
-// H100). HEADWISE_MHAR_FWD_STAGED=0 keeps the streaming kernel (the tests run both; the
-// device check times both).
-static_assert(kStagedItems == kItemsVec8, "the staged kernel runs the vector layout's threads");
-inline bool fwd_staged_fits(const Shape& s, const Plan& plan) {
-  if (plan.vec != 8 || !fwd_staged_heads(s.head_dim / 8)) return false;
-  if (const char* env = std::getenv("HEADWISE_MHAR_FWD_STAGED"); env != nullptr && std::strcmp(env, "0") == 0)
-    return false;
+// Whether 16-bit sources take a staged kernel (mhar_fwd_staged_kernel.cuh,
+// mhar_bwd_staged_kernel.cuh): the 16-byte path, heads within a warp, and the kernel's
+// shared memory (smem_bytes) within kStagedSmemBudget and half the device's opt-in limit
+// (2 CTAs an SM on an A100 as on an H100). The variable env_name = 0 keeps the other
+// kernel (HEADWISE_MHAR_FWD_STAGED: the streaming forward, HEADWISE_MHAR_BWD_STAGED:
+// mhar_route_bwd_kernel; the tests run both, the device check times both).
+static_assert(kStagedItems == kItemsVec8, "the staged kernels run the vector layout's threads");
+inline bool staged_fits(const Shape& s, const Plan& plan, const char* env_name, int64_t smem_bytes) {
+  if (plan.vec != 8 || !staged_heads(s.head_dim / 8)) return false;
+  if (const char* env = std::getenv(env_name); env != nullptr && std::strcmp(env, "0") == 0) return false;
   const int64_t limit = std::min<int64_t>(kStagedSmemBudget, static_cast<int64_t>(hw::max_dynamic_smem_optin()) / 2 - 1024);
-  return fwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads) <= limit;
+  return smem_bytes <= limit;
 }
 
 // q, g: the fp32 contiguous copies of query and norm_weight.
@@ -192,7 +193,8 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
   dispatch_storage_dtype(sources.scalar_type(), "mhar_route", "sources", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (sizeof(T) == 2) {
-      if (fwd_staged_fits(s, plan)) {
+      if (staged_fits(s, plan, "HEADWISE_MHAR_FWD_STAGED",
+                      fwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads))) {
         auto kernel = s.head_dim / 8 == 64 ? &mhar_route_fwd_staged_kernel<T, true>
                                             : &mhar_route_fwd_staged_kernel<T, false>;
         const size_t smem_bytes = static_cast<size_t>(fwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads));
@@ -254,6 +256,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
     dispatch_storage_dtype(sources.scalar_type(), "mhar_route_backward", "sources", [&](auto tag) {
       using T = decltype(tag);
       using G = std::conditional_t<kIntoFloat, float, T>;
+      const dim3 grid(static_cast<unsigned>(std::min(segments, kBwdMaxBlocks)));
+      if constexpr (sizeof(T) == 2) {
+        const int64_t staged_bytes = bwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads);
+        if (staged_fits(s, plan, "HEADWISE_MHAR_BWD_STAGED", staged_bytes)) {
+          auto kernel = s.head_dim / 8 == 64 ? &mhar_route_bwd_staged_kernel<T, G, true>
+                                              : &mhar_route_bwd_staged_kernel<T, G, false>;
+          hw::allow_dynamic_smem("mhar_route_backward", kernel, static_cast<size_t>(staged_bytes));
+          HW_LAUNCH("mhar_route_bwd_staged", kernel, grid, dim3(plan.threads), static_cast<size_t>(staged_bytes), p);
+          return;
+        }
+      }
       dispatch_plan<T>(plan, [&](auto cfg) {
         using C = decltype(cfg);
         auto kernel = &mhar_route_bwd_kernel<T, G, C::vec, C::items, C::rows, C::prefetch, C::mode>;
@@ -266,8 +279,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
         p.stage_rows = base_bytes + rows_bytes <= static_cast<size_t>(kStageRowsBudget);
         const size_t smem_bytes = base_bytes + (p.stage_rows ? rows_bytes : 0);
         hw::allow_dynamic_smem("mhar_route_backward", kernel, smem_bytes);
-        HW_LAUNCH("mhar_route_bwd", kernel, dim3(static_cast<unsigned>(std::min(segments, kBwdMaxBlocks))),
-                  dim3(plan.threads), smem_bytes, p);
+        HW_LAUNCH("mhar_route_bwd", kernel, grid, dim3(plan.threads), smem_bytes, p);
       });
     });
     auto reduce = &mhar_param_grad_reduce_kernel;

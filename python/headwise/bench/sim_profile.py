@@ -186,7 +186,7 @@ def _mhar_run(ops, s, take, device="cpu"):
 
 
 # Launches that do another launch's products (an alternative kernel of the same phase).
-SAME_FLOPS_AS = {"mhar_route_fwd_staged": "mhar_route_fwd"}
+SAME_FLOPS_AS = {"mhar_route_fwd_staged": "mhar_route_fwd", "mhar_route_bwd_staged": "mhar_route_bwd"}
 
 
 def _mhar_bytes(s):

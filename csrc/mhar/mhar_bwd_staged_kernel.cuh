@@ -1,0 +1,450 @@
+// MHAR backward with a position's rows, its dout and its weights staged in shared memory by
+// cp.async (SPEC section 4; the notation of mhar_kernel.cuh). Compiled by nvcc and against
+// the SIMT emulator.
+//
+// Budget (bf16, N = 9, d = 4096, H = 8, B T = 8192): a position reads N rows, dout (80 KiB)
+// and N H fp32 weights and writes N gradient rows (72 KiB): 1277 MB in all, 0.27 ms at the
+// H200's 4.8 TB/s. Its arithmetic is ~18 operations per source element (three dot
+// products in pass 1; normalize, round, the gradient's three terms and z in pass 2): HBM-
+// bound by ~5x over the FP32 ceiling, so what sets the pace is instruction issue and the
+// latency between the loads and their use (the first H200 run measured the register-
+// staged kernel at 21% of HBM: bench/RESULTS.md).
+//
+// Where it is used: 16-bit sources on the 16-byte path, heads within a warp (staged_heads:
+// kv = 1, 2, 4, ..., 32 or 64 vectors), and a position's rows within the launcher's shared-
+// memory budget (staged_fits); else mhar_route_bwd_kernel, which loads the rows into
+// registers stage by stage and stores them to shared memory for pass 2.
+//
+// Design, per position (mhar_route_bwd_kernel takes four barriers a position and its
+// per-(n, h) scalars on N H threads; here one barrier, and each head's scalars in its warp):
+//   - Copies: each thread copies its own vectors of dout and of the N rows (cp.async.cg,
+//     16 bytes, a warp's request 512 contiguous bytes) into slots [item][tid] and
+//     [n][item][tid], and a head's warp its N weights (4-byte cp.async.ca) into s_w; one
+//     commit group per 2 rows, dout and the weights in the first. The next position's
+//     copies are issued as pass 2 frees each group's slots, so they travel during the rest
+//     of this position. A lane reads only its own slots (no barrier guards them); the
+//     weights are read by the head's other lanes after a wait and a __syncwarp.
+//   - Thread layout (the staged forward's): thread (warp w, lane l) holds vectors
+//     v = 64 w + 32 i + l (i < 2); a head of 64 vectors is one warp, a head of kv <= 32 a
+//     segment of kv lanes of one item. So a, b and every per-head scalar are warp or
+//     segment reductions, and a head's values are written and read by its warp only.
+//   - Pass 1, 2 rows at a time: a = <dout, s_n>, b = <q g, s_n> per head and the warp's
+//     sum of squares of the row, by one reduce-scatter (heads of 64 vectors) or segment
+//     sums; a head's first lane keeps a, b in s_hv, the warp's squares go to s_sc.
+//   - Head step (no barrier: the head is the warp's): S_h = sum_n w a, dl = gate w (a - S_h)
+//     by the head's lanes over n; the records {gate w, dl} replace a, b in s_hv, and the
+//     warp's sum of dl b over its heads goes to s_sc beside its squares. One barrier.
+//   - r_n and r_n^3 c_n / d (c_n = sum_h dl b) by lane n of each warp from the warps' s_sc
+//     pairs, into the warp's s_rr.
+//   - Pass 2, a row at a time (copies 2 at a time): the row re-read from its slots,
+//     ds = gate w dout + (r dl) q g - r^3 c / d s with no reduction, z += dl u in
+//     registers over the segment's positions. Then the group's slots take the next
+//     position's rows.
+//   - Segment end: the z partial stored and the gate partial summed over the block
+//     (the kBwdSegment positions in order: the sums do not depend on the grid).
+// s_sc, which every warp reads after the barrier, alternates two blocks by position parity:
+// a warp writes the next position's before that position's barrier, while other warps may
+// still read this one's.
+// Registers: q g is read from the thread's own shared-memory slots where it is used; in
+// registers (16) it made the kernel spill at the 128-register cap of its launch bounds.
+// Shared memory: the floats of bwd_staged_rows_offset, then q g (2 x 2 x blockDim.x x 16
+// bytes), dout (2 x blockDim.x x 16) and the rows (N x 2 x blockDim.x x 16: 72 KiB at the
+// shape above, 99 KiB in all); the launcher keeps it within half an SM's, so 2 CTAs an SM
+// have their positions in flight.
+#pragma once
+
+#include "mhar_fwd_staged_kernel.cuh"
+
+namespace headwise {
+namespace mhar {
+
+// Floats before the staged slots: the block sum's 64, then pairs (8-byte aligned) s_hv
+// [H][N], s_sc [2][16][N], s_rr [16][N], then s_dlb [H][N], s_w [H][N] and s_gate [H],
+// rounded up to 16 bytes.
+__host__ __device__ inline int64_t bwd_staged_rows_offset(int64_t n, int64_t heads) {
+  return (64 + 2 * n * heads + 2 * 2 * n * kStagedSsPitch + 2 * kStagedSsPitch * n + 2 * n * heads + heads + 3) / 4 *
+         4;
+}
+// Then q g (fp32, 2 x 16 bytes a vector), dout and the N rows (16 bytes a vector each).
+__host__ __device__ inline int64_t bwd_staged_smem_bytes(int64_t n, int64_t heads, int64_t threads) {
+  return bwd_staged_rows_offset(n, heads) * 4 + (n + 3) * kStagedItems * threads * 16;
+}
+
+// T: the sources' 16-bit type; G: grad_sources' (T, or fp32 for a DepthBuffer's
+// accumulator). kWarpHeads: heads of 64 vectors (a warp each); else kv <= 32.
+template <typename T, typename G, bool kWarpHeads>
+__global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(const BwdParams p) {
+  static_assert(sizeof(T) == 2, "16-bit sources: a vector is one 16-byte copy");
+  constexpr int VEC = 8, ITEMS = kStagedItems, GR = kStagedGroup;
+  static_assert(GR == 2, "a group: 2 rows, a commit group and one reduce-scatter");
+  using PackT = hw::Pack<T, VEC>;
+  static_assert(sizeof(PackT) == 16, "a vector is one 16-byte copy");
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nthreads = blockDim.x, nwarps = nthreads >> 5;
+  const int nvec = static_cast<int>(p.route.d / VEC);
+  const int kv = kWarpHeads ? 64 : static_cast<int>(p.route.head_dim / VEC);  // vectors a head
+  const int heads = static_cast<int>(p.route.heads);
+  const int num_src = p.route.num_sources;
+  const int groups = (num_src + GR - 1) / GR;
+  const float inv_d = 1.f / static_cast<float>(p.route.d);
+  const int64_t stride_n = p.route.src_stride_n;
+  const int64_t positions = p.route.positions;
+  const int64_t segments = bwd_segments(positions);
+  const int64_t wstride_n = positions * heads;
+  const int64_t ds_stride_n = positions * p.route.d;
+
+  float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
+  // Pairs: s_hv [H][N] a, b after pass 1, gate w, dl after the head step (the head's warp
+  // writes and reads them); s_sc [2][16][N] a warp's sum of squares and sum of dl b over
+  // its heads of row n (read by every warp: two blocks by position parity); s_rr [16][N]
+  // a warp's r_n, r_n^3 c_n / d. Then s_dlb [H][N] dl b, s_w [H][N] the weights and
+  // s_gate [H] the segment's sum of S_h (a head's warp writes and reads them; s_gate its
+  // first lane: in a register it spilled at the 128-register cap). Rows n are fastest:
+  // the head step and the r step read them by lanes n, conflict-free.
+  using Pair = hw::Pack<float, 2>;
+  float* const s_hv = smem + 64;
+  float* const s_sc0 = s_hv + 2 * num_src * heads;
+  float* const s_rr = s_sc0 + 2 * 2 * num_src * kStagedSsPitch + 2 * warp * num_src;
+  float* const s_dlb = s_rr - 2 * warp * num_src + 2 * kStagedSsPitch * num_src;
+  float* const s_w = s_dlb + num_src * heads;
+  float* const s_gate = s_w + num_src * heads;
+  auto load_pair = [](const float* at) { return hw::load_pack<float, 2>(at); };
+  auto store_pair = [](float* at, float x, float y) {
+    Pair v;
+    v.v[0] = x;
+    v.v[1] = y;
+    hw::store_pack<float, 2>(at, v);
+  };
+  // The thread's slots: q g of item i (two fp32 halves) at qg_slots[(2 i + half) nthreads],
+  // dout of item i at dout_slots[i nthreads], row n's at slots[(n ITEMS + i) nthreads].
+  using PackF = hw::Pack<float, 4>;
+  PackF* const qg_slots = reinterpret_cast<PackF*>(smem + bwd_staged_rows_offset(num_src, heads)) + tid;
+  PackT* const dout_slots = reinterpret_cast<PackT*>(qg_slots - tid + 2 * ITEMS * nthreads) + tid;
+  PackT* const slots = dout_slots + ITEMS * nthreads;
+
+  const StagedItems items(warp, lane, nvec, kv);
+  const int v0 = items.v0;
+  const auto& valid = items.valid;
+  const auto& first = items.first;
+  const auto& head = items.head;
+  // Whether item i is present (heads of 64 vectors make nvec a multiple of 64: every item).
+  auto present = [&](int i) { return kWarpHeads || valid[i]; };
+  // q * g of the thread's vectors (a warp's item is 32 consecutive vectors: one coalesced
+  // octet load each), kept in the thread's own shared-memory slots and read where used.
+  HW_UNROLL
+  for (int i = 0; i < ITEMS; ++i) {
+    const int w0 = warp * 32 * ITEMS + 32 * i;
+    float q[VEC], g[VEC];
+    hw::warp_load_octets(p.route.query + static_cast<int64_t>(w0) * VEC, nvec - w0, q);
+    hw::warp_load_octets(p.route.norm_weight + static_cast<int64_t>(w0) * VEC, nvec - w0, g);
+    HW_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      PackF qg;
+      HW_UNROLL
+      for (int k = 0; k < 4; ++k) qg.v[k] = q[4 * half + k] * g[4 * half + k];
+      hw::store_pack<float, 4>(reinterpret_cast<float*>(qg_slots + (2 * i + half) * nthreads), qg);
+    }
+  }
+  auto load_qg = [&](int i, float (&qg)[VEC]) {
+    HW_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const PackF v = hw::load_pack<float, 4>(reinterpret_cast<const float*>(qg_slots + (2 * i + half) * nthreads));
+      HW_UNROLL
+      for (int k = 0; k < 4; ++k) qg[4 * half + k] = v.v[k];
+    }
+  };
+  const float gate = p.gate == nullptr ? 1.f : *p.gate;
+
+  // The warp's heads [head0, head_end) of the 2^heads_log2 its layout holds (a
+  // partial last warp holds fewer), and the lanes that work on one of them in the head
+  // step (a segment of seg_lanes lanes, one per item; the whole warp for heads of 64
+  // vectors).
+  const int head0 = (warp * 32 * ITEMS) / kv;
+  int heads_log2 = 0;
+  while ((kv << heads_log2) < 32 * ITEMS) ++heads_log2;
+  const int head_end = heads - head0 < (1 << heads_log2) ? heads : head0 + (1 << heads_log2);
+  const int seg_lanes = kWarpHeads ? 32 : kv;
+
+  auto with_group_rows = [&](int n0, auto&& f) {
+    if (n0 + GR <= num_src) f(std::integral_constant<int, GR>{});
+    else f(std::integral_constant<int, 1>{});
+  };
+  // The first commit group of a position: its dout (grad_out + pos d at the thread's first
+  // vector) and the weights of the warp's N x (head_end - head0) (n, h). Then each group's `rows` rows (row: the
+  // first at the thread's first vector; slot: its slot of item 0) close a commit group.
+  const T* const grad_out = static_cast<const T*>(p.grad_out) + static_cast<int64_t>(v0) * VEC;
+  auto issue_dout_and_weights = [&](int64_t pos) {
+    HW_UNROLL
+    for (int i = 0; i < ITEMS; ++i)
+      if (present(i)) hw::cp_async_cg16_full(dout_slots + i * nthreads, grad_out + pos * p.route.d + i * 32 * VEC);
+    for (int e = lane; e < (num_src << heads_log2); e += 32) {
+      const int n = e >> heads_log2, h = head0 + (e & ((1 << heads_log2) - 1));
+      if (kWarpHeads || h < head_end)
+        hw::cp_async_ca<4>(s_w + h * num_src + n, p.weights + n * wstride_n + pos * heads + h);
+    }
+  };
+  auto issue_rows = [&](auto rows, const T* row, PackT* slot) {
+    HW_UNROLL
+    for (int j = 0; j < decltype(rows)::value; ++j) {
+      HW_UNROLL
+      for (int i = 0; i < ITEMS; ++i)
+        if (present(i)) hw::cp_async_cg16_full(slot + (j * ITEMS + i) * nthreads, row + j * stride_n + i * 32 * VEC);
+    }
+    hw::cp_async_commit();
+  };
+  if (blockIdx.x >= segments) return;  // the launcher's grid is at most the segments
+
+  const T* const sources = static_cast<const T*>(p.route.sources) + static_cast<int64_t>(v0) * VEC;
+  const int seq = static_cast<int>(p.route.seq);  // b < B and t < T fit in 32 bits
+  auto source_at = [&](int b, int t) { return sources + b * p.route.src_stride_b + t * p.route.src_stride_t; };
+  // (b, t) of the block's next position to compute: its first one's copies are issued here.
+  int b = static_cast<int>(blockIdx.x * kBwdSegment / seq);
+  int t = static_cast<int>(blockIdx.x * kBwdSegment - static_cast<int64_t>(b) * seq);
+  {
+    const T* src = source_at(b, t);
+    issue_dout_and_weights(static_cast<int64_t>(blockIdx.x) * kBwdSegment);
+    for (int g = 0; g < groups; ++g)
+      with_group_rows(GR * g, [&](auto rows) { issue_rows(rows, src + GR * g * stride_n, slots + GR * g * ITEMS * nthreads); });
+  }
+  G* const grad_sources = static_cast<G*>(p.grad_sources) + static_cast<int64_t>(v0) * VEC;
+
+  int parity = 0;
+  for (int64_t seg = blockIdx.x; seg < segments; seg += gridDim.x) {
+    float z[ITEMS][VEC];
+    HW_UNROLL
+    for (int i = 0; i < ITEMS; ++i) {
+      HW_UNROLL
+      for (int k = 0; k < VEC; ++k) z[i][k] = 0.f;
+    }
+    HW_UNROLL
+    for (int i = 0; i < ITEMS; ++i)
+      if (first[i]) s_gate[head[i]] = 0.f;
+    const int64_t pos_end = (seg + 1) * kBwdSegment < positions ? (seg + 1) * kBwdSegment : positions;
+    for (int64_t pos = seg * kBwdSegment; pos < pos_end; ++pos, parity ^= 1) {
+      // The next position: the segment's next, or the first of the block's next segment.
+      int64_t next_pos;
+      int next_b, next_t;
+      if (pos + 1 < pos_end) {
+        next_pos = pos + 1;
+        next_b = t + 1 == seq ? b + 1 : b;
+        next_t = t + 1 == seq ? 0 : t + 1;
+      } else {
+        next_pos = (seg + gridDim.x) * kBwdSegment;
+        next_b = static_cast<int>(next_pos / seq);
+        next_t = static_cast<int>(next_pos - static_cast<int64_t>(next_b) * seq);
+      }
+      const bool has_next = next_pos < positions;
+      float* const s_sc = s_sc0 + parity * 2 * num_src * kStagedSsPitch;
+      const T* const src = source_at(b, t);
+      // Every lane has left the previous position's pass 2 (its reads of s_hv and s_rr)
+      // before a head's first lane writes a, b below.
+      __syncwarp();
+
+      // dout of item i (the first commit group), read from its slot in each pass: kept in
+      // registers from pass 1 to pass 2 it made the kernel spill.
+      auto load_dout = [&](int i, float (&dv)[VEC]) {
+        hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(dout_slots + i * nthreads)), dv);
+      };
+
+      // Pass 1: a, b of each (row, head) and the warp's sum of squares of each row (s_sc's
+      // first of the pair).
+      for (int g = 0; g < groups; ++g) {
+        hw::cp_async_wait_upto(groups - 1 - g);
+        const int n0 = GR * g;
+        with_group_rows(n0, [&](auto rows_present) {
+          constexpr int R = decltype(rows_present)::value;
+          // (row j, item i): a, b, ss of the thread's vector.
+          float part[R][ITEMS][3];
+          HW_UNROLL
+          for (int j = 0; j < R; ++j) {
+            HW_UNROLL
+            for (int i = 0; i < ITEMS; ++i) {
+              part[j][i][0] = part[j][i][1] = part[j][i][2] = 0.f;
+              if (!present(i)) continue;
+              float x[VEC], qg[VEC], dv[VEC];
+              hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(slots + ((n0 + j) * ITEMS + i) * nthreads)), x);
+              load_qg(i, qg);
+              load_dout(i, dv);
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) {
+                part[j][i][0] += dv[k] * x[k];
+                part[j][i][1] += qg[k] * x[k];
+                part[j][i][2] += x[k] * x[k];
+              }
+            }
+          }
+          if constexpr (kWarpHeads) {
+            // [a, b, ss] of row j at 3 j: the warp's sums, row j's held by lanes 16 j + ...
+            float vals[3 * R];
+            HW_UNROLL
+            for (int j = 0; j < R; ++j) {
+              HW_UNROLL
+              for (int c = 0; c < 3; ++c) vals[3 * j + c] = part[j][0][c] + part[j][1][c];
+            }
+            hw::warp_sum_scatter(vals);
+            if (hw::warp_scatter_leader<3 * R>(lane)) {
+              const int n = n0 + hw::warp_scatter_first<3 * R>(lane) / 3;
+              store_pair(s_hv + 2 * (head[0] * num_src + n), vals[0], vals[1]);
+              s_sc[2 * (warp * num_src + n)] = vals[2];
+            }
+          } else {
+            float ss[R];
+            HW_UNROLL
+            for (int j = 0; j < R; ++j) {
+              ss[j] = part[j][0][2] + part[j][1][2];
+              HW_UNROLL
+              for (int i = 0; i < ITEMS; ++i) {
+                const float a = hw::warp_segment_sum(part[j][i][0], kv);
+                const float bv = hw::warp_segment_sum(part[j][i][1], kv);
+                if (first[i]) store_pair(s_hv + 2 * (head[i] * num_src + n0 + j), a, bv);
+              }
+            }
+            hw::warp_sum_scatter(ss);
+            hw::store_scattered_sums(ss, [&](int j, float sum) { s_sc[2 * (warp * num_src + n0 + j)] = sum; });
+          }
+        });
+      }
+
+      // Head step: the lanes of head h (seg_lanes of them) take rows n = their index,
+      // + seg_lanes, ...: S_h = sum_n w a, then dl = gate w (a - S_h), the records
+      // {gate w, dl} and dl b; then lane n adds dl b of row n over the warp's heads (s_sc's
+      // second). The weights were copied by other lanes of the warp.
+      __syncwarp();
+      {
+        const int seg_lane = lane & (seg_lanes - 1);
+        HW_UNROLL
+        for (int i = 0; i < (kWarpHeads ? 1 : ITEMS); ++i) {
+          const int h = head[i];
+          const bool mine = valid[i];
+          float part = 0.f;
+          if (mine)
+            for (int n = seg_lane; n < num_src; n += seg_lanes) part += s_w[h * num_src + n] * s_hv[2 * (h * num_src + n)];
+          const float s = hw::warp_segment_sum(part, seg_lanes);
+          if (mine) {
+            if (first[i]) s_gate[h] += s;
+            for (int n = seg_lane; n < num_src; n += seg_lanes) {
+              const int e = h * num_src + n;
+              const float w = s_w[e];
+              const Pair ab = load_pair(s_hv + 2 * e);
+              const float dl = gate * w * (ab.v[0] - s);
+              store_pair(s_hv + 2 * e, gate * w, dl);
+              if constexpr (kWarpHeads) s_sc[2 * (warp * num_src + n) + 1] = dl * ab.v[1];
+              else s_dlb[e] = dl * ab.v[1];
+            }
+          }
+        }
+        if constexpr (!kWarpHeads) {
+          __syncwarp();
+          for (int n = lane; n < num_src; n += 32) {
+            float c = 0.f;
+            HW_NO_UNROLL
+            for (int h = head0; h < head_end; ++h) c += s_dlb[h * num_src + n];
+            s_sc[2 * (warp * num_src + n) + 1] = c;
+          }
+        }
+      }
+      __syncthreads();
+
+      // r_n and r_n^3 c_n / d, c_n = sum_h dl b, from the warps' sums (in warp order), by
+      // lane n into the warp's own s_rr.
+      for (int n = lane; n < num_src; n += 32) {
+        float ss = 0.f, c = 0.f;
+        for (int w = 0; w < nwarps; ++w) {
+          const Pair sc = load_pair(s_sc + 2 * (w * num_src + n));
+          ss += sc.v[0];
+          c += sc.v[1];
+        }
+        const float r = rsqrtf(ss * inv_d + p.route.eps);
+        store_pair(s_rr + 2 * n, r, r * r * r * c * inv_d);
+      }
+      __syncwarp();
+
+      // Pass 2: ds_n = gate w dout + (r dl) q g - r^3 c / d s_n (the CPU kernel's
+      // association); z += dl round(s_n r). `accumulate` (ds adds to what grad_sources
+      // holds) is a std::bool_constant.
+      auto emit_grads = [&](auto accumulate) {
+        // dout, from its slot before the first group's copies replace it.
+        float dout[ITEMS][VEC];
+        HW_UNROLL
+        for (int i = 0; i < ITEMS; ++i) {
+          if (present(i)) load_dout(i, dout[i]);
+          else {
+            HW_UNROLL
+            for (int k = 0; k < VEC; ++k) dout[i][k] = 0.f;
+          }
+        }
+        // Row n's ds, slots and records, stepped a row an iteration.
+        G* ds = grad_sources + pos * p.route.d;
+        const PackT* row_slots = slots;
+        const float* rec_row = s_hv + 2 * head[0] * num_src;
+        const T* const next_src = source_at(next_b, next_t);
+        // One row an iteration, not unrolled: two rows interleaved took the kernel to 122
+        // live registers and spills (sm_90).
+        HW_NO_UNROLL
+        for (int n = 0; n < num_src; ++n, ds += ds_stride_n, row_slots += ITEMS * nthreads, rec_row += 2) {
+          const Pair rr = load_pair(s_rr + 2 * n);  // r, r^3 c / d
+          // gate w, dl of the items' heads (one head: both items' in a warp's head)
+          Pair rec[kWarpHeads ? 1 : ITEMS];
+          HW_UNROLL
+          for (int i = 0; i < (kWarpHeads ? 1 : ITEMS); ++i)  // (an absent item's head may not exist)
+            rec[i] = load_pair(rec_row + 2 * ((present(i) ? head[i] : head[0]) - head[0]) * num_src);
+          HW_UNROLL
+          for (int i = 0; i < ITEMS; ++i) {
+            if (!present(i)) continue;
+            const Pair& w_dl = rec[kWarpHeads ? 0 : i];
+            [[maybe_unused]] float prev[VEC];  // what ds holds, with `accumulate`
+            if constexpr (decltype(accumulate)::value) hw::load_as_float<VEC>(ds + i * 32 * VEC, prev);
+            float x[VEC];
+            hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(row_slots + i * nthreads)), x);
+            const float rdl = rr.v[0] * w_dl.v[1];
+            float u[VEC], y[VEC], qg[VEC];
+            load_qg(i, qg);
+            HW_UNROLL
+            for (int k = 0; k < VEC; ++k) u[k] = x[k] * rr.v[0];
+            hw::round_vec_to<T, VEC>(u);
+            HW_UNROLL
+            for (int k = 0; k < VEC; ++k) {
+              y[k] = w_dl.v[0] * dout[i][k] + rdl * qg[k] - rr.v[1] * x[k];
+              z[i][k] += w_dl.v[1] * u[k];
+            }
+            if constexpr (decltype(accumulate)::value) {
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) y[k] = prev[k] + y[k];
+            }
+            hw::store_from_float<VEC>(ds + i * 32 * VEC, y);
+          }
+          // A group's slots are free after its last row: the next position's copies (its
+          // dout and weights with the first group).
+          if (has_next && ((n & 1) || n + 1 == num_src)) {
+            const int n0 = n & ~1;
+            if (n0 == 0) issue_dout_and_weights(next_pos);
+            with_group_rows(n0, [&](auto rows) {
+              issue_rows(rows, next_src + n0 * stride_n, slots + n0 * ITEMS * nthreads);
+            });
+          }
+        }
+      };
+      if (p.accumulate) emit_grads(std::true_type{});
+      else emit_grads(std::false_type{});
+
+      b = next_b;
+      t = next_t;
+    }
+    // The segment's partials: z of the thread's vectors; the gate's over the block.
+    HW_UNROLL
+    for (int i = 0; i < ITEMS; ++i)
+      if (present(i)) hw::store_from_float<VEC>(p.z_partial + seg * p.route.d + static_cast<int64_t>(v0 + 32 * i) * VEC, z[i]);
+    // The gate's: s_gate of heads tid, tid + nthreads (H <= nvec = 2 nthreads at most),
+    // once every head's first lane has added its last S_h.
+    __syncthreads();
+    const float gate_sum = (tid < heads ? s_gate[tid] : 0.f) + (tid + nthreads < heads ? s_gate[tid + nthreads] : 0.f);
+    // A BlockSum a segment: its first half, which a segment's position barriers keep from
+    // the previous segment's readers (a counter kept over the loop was spilled).
+    const float seg_gate = hw::BlockSum(smem)(gate_sum);
+    if (tid == 0) p.gate_partial[seg] = seg_gate;
+  }
+}
+
+}  // namespace mhar
+}  // namespace headwise

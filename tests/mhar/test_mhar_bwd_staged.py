@@ -1,0 +1,208 @@
+"""The MHAR backward's staged kernel (csrc/mhar/mhar_bwd_staged_kernel.cuh): the launcher
+takes it for 16-bit sources on the 16-byte path with heads within a warp; it agrees with
+mhar_route_bwd_kernel (HEADWISE_MHAR_BWD_STAGED=0), the CPU kernel and the reference,
+stores and accumulates into a DepthBuffer's fp32 buffer, and its copies and shared-memory
+reads are at the ideal."""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from headwise import reference, testing
+from headwise.testing import profiled_launches, rel_err
+
+from test_mhar_fwd_staged import SHAPES
+from test_mhar_route import make_inputs
+
+EPS = 1e-6
+
+# Beyond the forward's shapes: more segments (16 positions each) than the 1024 blocks, so
+# a block's next position is the first of its next segment.
+BWD_SHAPES = SHAPES + [
+    pytest.param(2, 1, 16400, 16, 2, id="N2-T16400-d16-kv1-segments-loop"),
+    pytest.param(3, 3, 5471, 64, 1, id="N3-B3-T5471-d64-kv8-segments-loop-rows"),
+    # More rows than lanes: the head step's and the r step's second pass over n.
+    pytest.param(33, 1, 3, 1024, 2, id="N33-d1024-H2-kv64"),
+    pytest.param(35, 1, 3, 64, 8, id="N35-d64-H8-kv1"),
+    # A partial last warp whose absent items' heads lie past H (kv = 1, 2).
+    pytest.param(3, 1, 5, 520, 65, id="N3-d520-H65-kv1-partial-warp"),
+    pytest.param(4, 1, 5, 528, 33, id="N4-d528-H33-kv2-partial-warp"),
+]
+
+
+@pytest.fixture(params=["sim", "cuda"])
+def device_lib(request):
+    """The op library whose CUDA kernels run: emulated, or on the GPU."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return testing.backend(request.param)
+
+
+def ops_of(backend):
+    return torch.ops.headwise_sim if backend.name == "sim" else torch.ops.headwise
+
+
+def backward_inputs(n, b, t, d, h, dtype, device, seed=0):
+    qscale = min(0.3, 1.5 / math.sqrt(d // h))
+    sources, query, norm_weight = make_inputs(n, b, t, d, dtype=dtype, device=device, seed=seed, qscale=qscale)
+    weights = reference.mhar_route_weights(sources, query, norm_weight, num_heads=h).float().contiguous()
+    grad_out = torch.randn(b, t, d, generator=torch.Generator().manual_seed(seed + 7)).to(dtype).to(device)
+    return grad_out, sources, query, norm_weight, weights
+
+
+def backward(lib, grad_out, sources, query, norm_weight, weights, h, gate=None):
+    return lib.mhar_route_backward(grad_out, sources, query, norm_weight, weights, gate, h, sources.shape[0], EPS)
+
+
+def assert_grads_close(got, want, tol_sources, tol_params):
+    # grad_sources, grad_query, grad_norm_weight (and the gate's, where there is one).
+    assert rel_err(got[0], want[0]) <= tol_sources
+    assert rel_err(got[1], want[1]) <= tol_params
+    assert rel_err(got[2], want[2]) <= tol_params
+    if want[3] is not None:
+        assert rel_err(got[3], want[3]) <= tol_params
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,b,t,d,h", BWD_SHAPES)
+def test_staged_backward_matches_unstaged_and_cpu(device_lib, monkeypatch, dtype, n, b, t, d, h):
+    args = backward_inputs(n, b, t, d, h, dtype, device_lib.device)
+    lib = ops_of(device_lib)
+    staged = backward(lib, *args, h)
+    monkeypatch.setenv("HEADWISE_MHAR_BWD_STAGED", "0")
+    unstaged = backward(lib, *args, h)
+    cpu = backward(torch.ops.headwise, *[x.cpu() for x in args], h)
+    # The same fp32 math in other reduction orders (a, b, S_h, c_n: warp butterflies where
+    # mhar_route_bwd_kernel adds warp sums in smem). grad_sources rounds once to the storage
+    # dtype from fp32 (2^-8 relative in bf16); a last-bit change of r_n can move an element
+    # of u = round(s r) across a rounding boundary, which moves z (dq, dg) by that times dl.
+    for other in (unstaged, cpu):
+        assert_grads_close([x.cpu() if x is not None else None for x in staged], other, 2 ** -9, 2e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gate_value", [0.0, -0.7, 1.3])
+@pytest.mark.parametrize("n,b,t,d,h", [(4, 2, 5, 1024, 2), (3, 1, 70, 64, 4), (2, 1, 16400, 16, 2)],
+                         ids=["kv64", "kv2-segments", "kv1-segments-loop"])
+def test_staged_backward_with_gate_matches_cpu(device_lib, gate_value, n, b, t, d, h, dtype):
+    # The gate scales dl and the dout term, and its gradient is sum_h S_h over positions
+    # (per-segment partials, then the fixed-order reduction).
+    args = backward_inputs(n, b, t, d, h, dtype, device_lib.device)
+    gate = torch.tensor(gate_value, device=device_lib.device)
+    got = backward(ops_of(device_lib), *args, h, gate=gate)
+    want = backward(torch.ops.headwise, *[x.cpu() for x in args], h, gate=gate.cpu())
+    assert_grads_close([x.cpu() for x in got], want, 2 ** -7, 2e-4)
+
+
+@pytest.mark.parametrize("n,b,t,d,h", [(5, 2, 3, 1024, 2), (4, 1, 37, 96, 3), (2, 1, 16400, 16, 2)],
+                         ids=["kv64", "kv4-partial-item", "kv1-segments-loop"])
+def test_staged_backward_into_stores_then_accumulates(device_lib, n, b, t, d, h):
+    # A DepthBuffer's fp32 buffer (G = float): rows [0, N) stored, then added to; the rows
+    # above N untouched.
+    grad_out, sources, query, norm_weight, weights = backward_inputs(n + 2, b, t, d, h, torch.bfloat16,
+                                                                     device_lib.device)
+    weights = weights[:n].contiguous()
+    lib = ops_of(device_lib)
+    buf = torch.full((n + 2, b, t, d), 7.0, device=device_lib.device)
+    gq, gg = lib.mhar_route_backward_into(grad_out, sources, query, norm_weight, weights, buf, h, n, EPS, False)
+    ds, gq_ref, gg_ref, _ = lib.mhar_route_backward(grad_out, sources, query, norm_weight, weights, None, h, n, EPS)
+    # The same fp32 values: ds is them rounded to bf16.
+    assert torch.equal(buf[:n].to(torch.bfloat16), ds[:n]) and torch.equal(buf[n:], torch.full_like(buf[n:], 7.0))
+    assert torch.equal(gq, gq_ref) and torch.equal(gg, gg_ref)
+    first = buf.clone()
+    lib.mhar_route_backward_into(grad_out, sources, query, norm_weight, weights, buf, h, n, EPS, True)
+    assert torch.equal(buf[:n], first[:n] + first[:n]) and torch.equal(buf[n:], first[n:])
+
+
+def test_staged_backward_is_bitwise_deterministic(device_lib):
+    args = backward_inputs(9, 2, 40, 1024, 2, torch.bfloat16, device_lib.device)
+    lib = ops_of(device_lib)
+    first = backward(lib, *args, 2)
+    second = backward(lib, *args, 2)
+    assert all(torch.equal(x, y) for x, y in zip(first, second) if x is not None)
+
+
+def test_staged_backward_reads_strided_sources_in_place(device_lib):
+    # Sources whose rows are a view with gaps (a depth buffer's first rows).
+    n, b, t, d, h = 5, 2, 3, 512, 1
+    full, query, norm_weight = make_inputs(n + 2, b, t + 1, d, dtype=torch.bfloat16, device=device_lib.device,
+                                           qscale=0.05)
+    sources = full[:n, :, 1:]
+    weights = reference.mhar_route_weights(sources, query, norm_weight, num_heads=h).float().contiguous()
+    grad_out = torch.randn(b, t, d).to(torch.bfloat16).to(device_lib.device)
+    got = backward(ops_of(device_lib), grad_out, sources, query, norm_weight, weights, h)
+    want = backward(torch.ops.headwise, grad_out.cpu(), sources.contiguous().cpu(), query.cpu(), norm_weight.cpu(),
+                    weights.cpu(), h)
+    assert_grads_close([x.cpu() if x is not None else None for x in got], want, 2 ** -7, 2e-4)
+
+
+@pytest.fixture
+def profile_ops():
+    if importlib.util.find_spec("headwise._sim_profile") is None:
+        pytest.skip("headwise._sim_profile not built")
+    from headwise.ops import load_profile_library
+
+    load_profile_library()
+    return torch.ops.headwise_sim_profile
+
+
+def backward_launches(lib, n, b, t, d, h, dtype=torch.bfloat16):
+    args = backward_inputs(n, b, t, d, h, dtype, "cpu")
+    _, records = profiled_launches(lambda: backward(lib, *args, h))
+    return records
+
+
+@pytest.mark.parametrize("n,b,t,d,h,dtype,staged", [
+    (9, 1, 4, 4096, 8, torch.bfloat16, True),   # heads of 64 vectors (a warp)
+    (9, 1, 4, 2048, 8, torch.float16, True),    # heads of 32 vectors (an item's lanes)
+    (9, 1, 4, 4096, 4, torch.bfloat16, False),  # heads of 128 vectors span two warps
+    (5, 1, 4, 96, 3, torch.bfloat16, True),
+    (5, 1, 4, 123, 3, torch.bfloat16, False),   # 123 is not a multiple of 8: the scalar layout
+    (5, 1, 4, 96, 3, torch.float32, False),     # fp32 sources
+])
+def test_launcher_takes_the_staged_backward_where_it_applies(profile_ops, n, b, t, d, h, dtype, staged):
+    names = [r["kernel"] for r in backward_launches(profile_ops, n, b, t, d, h, dtype)]
+    assert names == ["mhar_route_bwd_staged" if staged else "mhar_route_bwd", "mhar_param_grad_reduce"]
+
+
+def test_staged_backward_takes_the_other_kernel_when_rows_do_not_fit(profile_ops, monkeypatch):
+    # bf16, d = 4096: N rows, dout and q g take (N + 3) 8 KiB. 10 rows (109 KiB) fit an
+    # H100's budget (112 KiB), 11 do not; on an A100 (half its 163 KiB opt-in, less 1 KiB:
+    # 2 CTAs an SM) 6 rows fit and 7 do not.
+    assert backward_launches(profile_ops, 10, 1, 2, 4096, 8)[0]["kernel"] == "mhar_route_bwd_staged"
+    assert backward_launches(profile_ops, 11, 1, 2, 4096, 8)[0]["kernel"] == "mhar_route_bwd"
+    monkeypatch.setenv("HEADWISE_SIM_SMEM_OPTIN", "166912")
+    assert backward_launches(profile_ops, 7, 1, 2, 4096, 8)[0]["kernel"] == "mhar_route_bwd"
+    assert backward_launches(profile_ops, 6, 1, 2, 4096, 8)[0]["kernel"] == "mhar_route_bwd_staged"
+
+
+def test_staged_backward_memory_metrics(profile_ops):
+    # Every source and dout byte is read once (each copy a whole 16-byte chunk of a warp's
+    # 512 contiguous bytes), loads and stores at the ideal sectors per request, shared
+    # memory at the ideal wavefronts per request.
+    n, b, t, d, h = 9, 1, 8, 4096, 8
+    rec = backward_launches(profile_ops, n, b, t, d, h)[0]
+    assert rec["kernel"] == "mhar_route_bwd_staged"
+    assert rec["global_load_sectors"] <= 1.1 * rec["global_load_sectors_ideal"]
+    assert rec["global_store_sectors"] <= 1.1 * rec["global_store_sectors_ideal"]
+    assert rec["smem_wavefronts"] <= 1.1 * rec["smem_wavefronts_ideal"]
+    read_bytes = (n + 1) * b * t * d * 2 + n * b * t * h * 4
+    assert rec["unique_load_bytes"] <= 1.05 * (read_bytes + 2 * d * 4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_staged_backward_non_finite_sources_propagate_like_the_unstaged_kernel(device_lib, monkeypatch, bad):
+    # The policy of tests/robustness (README): a non-finite element makes its position's
+    # gradients non-finite; other positions' grad_sources are unaffected.
+    n, b, t, d, h = 9, 2, 3, 1024, 2
+    grad_out, sources, query, norm_weight, weights = backward_inputs(n, b, t, d, h, torch.bfloat16, device_lib.device)
+    sources[3, 1, 2, 17] = bad
+    lib = ops_of(device_lib)
+    got = backward(lib, grad_out, sources, query, norm_weight, weights, h)
+    monkeypatch.setenv("HEADWISE_MHAR_BWD_STAGED", "0")
+    want = backward(lib, grad_out, sources, query, norm_weight, weights, h)
+    for x, y in zip(got[:3], want[:3]):
+        assert torch.equal(torch.isfinite(x), torch.isfinite(y))
+    assert not torch.isfinite(got[0][:, 1, 2]).all() and torch.isfinite(got[0][:, 0]).all()
