@@ -236,7 +236,6 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
       }
       const bool has_next = next_pos < positions;
       float* const s_sc = s_sc0 + parity * 2 * num_src * kStagedSsPitch;
-      const T* const src = source_at(b, t);
       // Every lane has left the previous position's pass 2 (its reads of s_hv and s_rr)
       // before a head's first lane writes a, b below.
       __syncwarp();
