@@ -25,16 +25,32 @@ __device__ __forceinline__ float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
-// (a, b) rounded to T and back, round-to-nearest-even as round_to<T> (static_cast) does.
-// For bf16 on the GPU one cvt rounds both (cvt.rn.bf16x2.f32, sm_80+), and each comes
-// back to fp32 as the high half of a word (one shift or mask, no cvt); fp16 and fp32
-// round one at a time (a paired fp16 cvt would still need a cvt back for each).
+// (a, b) rounded to the 16-bit T (round-to-nearest-even, as static_cast) and packed in one
+// 32-bit word, a in the low half: the register of an mma.sync fragment. For bf16 on the GPU
+// one cvt rounds both (cvt.rn.bf16x2.f32, sm_80+).
 template <typename T>
-__device__ __forceinline__ void round_pair_to(float& a, float& b) {
+__device__ __forceinline__ uint32_t pack_pair(float a, float b) {
+  static_assert(sizeof(T) == 2, "two 16-bit values a word");
 #if !HW_SIM && defined(__CUDA_ARCH__)
   if constexpr (std::is_same<T, c10::BFloat16>::value) {
     uint32_t p;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(b), "f"(a));
+    return p;
+  }
+#endif
+  const T lo = static_cast<T>(a), hi = static_cast<T>(b);
+  return static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(hi.x) << 16);
+}
+
+// (a, b) rounded to T and back, round-to-nearest-even as round_to<T> (static_cast) does.
+// For bf16 on the GPU one cvt rounds both (pack_pair), and each comes back to fp32 as the
+// high half of a word (one shift or mask, no cvt); fp16 and fp32 round one at a time (a
+// paired fp16 cvt would still need a cvt back for each).
+template <typename T>
+__device__ __forceinline__ void round_pair_to(float& a, float& b) {
+#if !HW_SIM && defined(__CUDA_ARCH__)
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    const uint32_t p = pack_pair<T>(a, b);
     a = __uint_as_float(p << 16);
     b = __uint_as_float(p & 0xffff0000u);
     return;

@@ -31,7 +31,10 @@
 //   - Pass B: per 2 rows, r_n from the warp sums (lanes 16 j + w add row n0 + j's sums by a
 //     butterfly), the rows re-read, u = round(s r), the logits reduced over the head's
 //     lanes, and the online-softmax fold of the 2 rows (as the streaming kernel's stage:
-//     a rescale only when a head's max rises). A head's first lane keeps the logits.
+//     a rescale only when a head's max rises). A head's first lane keeps the logits. For
+//     bf16 heads of 64 vectors the products u q g are taken on tensor cores (logit_parts:
+//     u stays in the bf16 pairs its rounding makes, q g as bf16 hi + lo parts, 8
+//     m16n8k16 a group where the SIMT form spends 64 unpacks and FFMA a lane).
 //   - Epilogue: out = gate acc / den (+ residual); one barrier; the weights written once,
 //     coalesced, by threads over (n, h), as in the streaming kernel.
 // Shared memory: N 16 warp sums, the logits [N, H], max and 1 / den [H], then the rows
@@ -101,6 +104,10 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
   using PackT = hw::Pack<T, VEC>;
   static_assert(sizeof(PackT) == 16, "a vector is one 16-byte copy");
   auto state_of = [](int i) { return kWarpHeads ? 0 : i; };
+  // The logits of a warp head of bf16 sources on tensor cores (logit_parts); fp16's q g
+  // pairs would lose range (its lo part underflows), heads of lane segments would need
+  // one accumulator a head: both keep the SIMT logits.
+  constexpr bool kTensorLogits = kWarpHeads && std::is_same<T, c10::BFloat16>::value;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nthreads = blockDim.x, nwarps = nthreads >> 5;
@@ -136,6 +143,23 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
     hw::warp_load_octets(p.route.norm_weight + static_cast<int64_t>(w0) * VEC, nvec - w0, g);
     HW_UNROLL
     for (int k = 0; k < VEC; ++k) qg[i][k] *= g[k];
+  }
+  // The tensor-core logits' B operands (logit_part): q g as bf16 pairs hi + lo, the
+  // fragment order of the thread's packed u. hi + lo holds 16 significant bits of q g: all
+  // of it when q and g are bf16 (a product of two 8-bit significands), a relative 2^-17
+  // of it for fp32 q, g (the SIMT path's q g is exact to 2^-24).
+  uint32_t qg_hi[ITEMS][VEC / 2], qg_lo[ITEMS][VEC / 2];
+  if constexpr (kTensorLogits) {
+    HW_UNROLL
+    for (int i = 0; i < ITEMS; ++i) {
+      HW_UNROLL
+      for (int m = 0; m < VEC / 2; ++m) {
+        float a = qg[i][2 * m], b = qg[i][2 * m + 1];
+        qg_hi[i][m] = hw::pack_pair<T>(a, b);
+        hw::round_pair_to<T>(a, b);
+        qg_lo[i][m] = hw::pack_pair<T>(qg[i][2 * m] - a, qg[i][2 * m + 1] - b);
+      }
+    }
   }
   // Absent items' slots hold zeros for the kernel (no copy ever writes them), so their
   // reads need no guard.
@@ -195,6 +219,53 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
       hw::mma_step<T>(lower, a, lower_t);
     }
     return diag_lane ? ((mma_g & 1) ? upper[1] + lower[3] : upper[0] + lower[2]) : 0.f;
+  };
+
+  // This lane's shares of the logits of a group's R rows of a warp head, from their
+  // u = round(s r) as bf16 pairs u[j][i][m] (elements 2 m, 2 m + 1 of item i), on tensor
+  // cores as sum_of_squares forms its diagonals. B = q g of the elements in A's columns
+  // is each lane's own b0, b1: the transpose of 8 of A's rows, which holds the products of
+  // matching elements on a diagonal of D = A B: D[m][m] (and D[8 + m][m] for A's rows 8-15
+  // against B) sums them over lanes 4 m .. 4 m + 3, and lane 4 m + m / 2 holds both.
+  //   R = 2: A = {row 0's pair 2 h, row 1's pair 2 h, row 0's 2 h + 1, row 1's 2 h + 1},
+  //          B = q g of pairs 2 h, 2 h + 1: row 0's sum on D[m][m], row 1's on D[8 + m][m];
+  //          2 products (h) an item.
+  //   R = 1: A = the row's pairs {0, 2, 1, 3}, B = q g of pairs {0, 1} into one D (A's
+  //          rows 0-7) and of pairs {2, 3} into another (rows 8-15): the same 2 products an
+  //          item, each B a consecutive register pair as for R = 2 (no moves to form it).
+  // Each product is taken for q g's bf16 hi and lo parts (exact products of 8-bit
+  // significands) into the same D, summed at fp32 width: 8 m16n8k16 a group, where the SIMT
+  // logits take 16 unpacks and 16 FFMA a lane a row.
+  auto logit_parts = [&](auto rows_present, const auto& u, float (&parts)[G]) {
+    constexpr int R = decltype(rows_present)::value;
+    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+    HW_UNROLL
+    for (int i = 0; i < ITEMS; ++i) {
+      HW_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const auto& q = h == 0 ? qg_hi[i] : qg_lo[i];
+        if constexpr (R == 2) {
+          HW_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const uint32_t a[4] = {u[0][i][2 * e], u[1][i][2 * e], u[0][i][2 * e + 1], u[1][i][2 * e + 1]};
+            const uint32_t b[2] = {q[2 * e], q[2 * e + 1]};
+            hw::mma_step<T>(e == 0 ? d0 : d1, a, b);
+          }
+        } else {
+          const uint32_t a[4] = {u[0][i][0], u[0][i][2], u[0][i][1], u[0][i][3]};
+          const uint32_t b_upper[2] = {q[0], q[1]}, b_lower[2] = {q[2], q[3]};
+          hw::mma_step<T>(d0, a, b_upper);
+          hw::mma_step<T>(d1, a, b_lower);
+        }
+      }
+    }
+    const bool odd = mma_g & 1;
+    if constexpr (R == 2) {
+      parts[0] = diag_lane ? (odd ? d0[1] + d1[1] : d0[0] + d1[0]) : 0.f;
+      parts[1] = diag_lane ? (odd ? d0[3] + d1[3] : d0[2] + d1[2]) : 0.f;
+    } else {
+      parts[0] = diag_lane ? (odd ? d0[1] + d1[3] : d0[0] + d1[2]) : 0.f;
+    }
   };
 
   const T* sources = static_cast<const T*>(p.route.sources) + static_cast<int64_t>(v0) * VEC;
@@ -263,26 +334,43 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
         constexpr int R = decltype(rows_present)::value;
         float x[R][ITEMS][VEC];
         float logit[R][kStates];
-        HW_UNROLL
-        for (int j = 0; j < R; ++j) {
-          float part[ITEMS];
+        if constexpr (kTensorLogits) {
+          uint32_t u[R][ITEMS][VEC / 2];
           HW_UNROLL
-          for (int i = 0; i < ITEMS; ++i) {
-            hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(group_slots + (j * ITEMS + i) * nthreads)), x[j][i]);
-            float u[VEC];
+          for (int j = 0; j < R; ++j) {
             HW_UNROLL
-            for (int k = 0; k < VEC; ++k) u[k] = x[j][i][k] * r[j];
-            hw::round_vec_to<T, VEC>(u);
-            float l = 0.f;
-            HW_UNROLL
-            for (int k = 0; k < VEC; ++k) l += u[k] * qg[i][k];
-            part[i] = l;
+            for (int i = 0; i < ITEMS; ++i) {
+              hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(group_slots + (j * ITEMS + i) * nthreads)), x[j][i]);
+              HW_UNROLL
+              for (int m = 0; m < VEC / 2; ++m) u[j][i][m] = hw::pack_pair<T>(x[j][i][2 * m] * r[j], x[j][i][2 * m + 1] * r[j]);
+            }
           }
-          if constexpr (kWarpHeads) {
-            logit[j][0] = hw::warp_sum(part[0] + part[1]);
-          } else {
+          float parts[G];
+          logit_parts(rows_present, u, parts);
+          HW_UNROLL
+          for (int j = 0; j < R; ++j) logit[j][0] = hw::warp_sum(parts[j]);
+        } else {
+          HW_UNROLL
+          for (int j = 0; j < R; ++j) {
+            float part[ITEMS];
             HW_UNROLL
-            for (int i = 0; i < ITEMS; ++i) logit[j][i] = hw::warp_segment_sum(part[i], kv);
+            for (int i = 0; i < ITEMS; ++i) {
+              hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(group_slots + (j * ITEMS + i) * nthreads)), x[j][i]);
+              float u[VEC];
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) u[k] = x[j][i][k] * r[j];
+              hw::round_vec_to<T, VEC>(u);
+              float l = 0.f;
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) l += u[k] * qg[i][k];
+              part[i] = l;
+            }
+            if constexpr (kWarpHeads) {
+              logit[j][0] = hw::warp_sum(part[0] + part[1]);
+            } else {
+              HW_UNROLL
+              for (int i = 0; i < ITEMS; ++i) logit[j][i] = hw::warp_segment_sum(part[i], kv);
+            }
           }
         }
         HW_UNROLL

@@ -61,7 +61,8 @@ def test_staged_matches_streaming_and_reference(device_lib, monkeypatch, dtype, 
     cpu_out, cpu_weights = torch.ops.headwise.mhar_route(sources.cpu(), query.cpu(), norm_weight.cpu(), h, n, 1e-6,
                                                          None, None)
     # The same fp32 math as the streaming and CPU kernels in another reduction order (often
-    # the streaming kernel's very bits). A last-bit change of
+    # the streaming kernel's very bits; bf16 warp heads also carry q g to 2^-17 on tensor
+    # cores: test_tensor_core_logits_sum_exact_products). A last-bit change of
     # r_n can move an element of u = round(s r) across a rounding boundary of the storage
     # dtype (2^-8 relative in bf16, 2^-11 in fp16), its logit by that times |u q g| and a
     # weight by up to ~2e-4 at these shapes; the outputs round once from fp32 sums.
@@ -69,6 +70,27 @@ def test_staged_matches_streaming_and_reference(device_lib, monkeypatch, dtype, 
     assert rel_err(weights.cpu(), cpu_weights) <= 5e-4
     assert rel_err(out, stream_out) <= 2 ** -7
     assert rel_err(out, reference.mhar_route(sources, query, norm_weight, num_heads=h)) <= 2 ** -7
+
+
+@pytest.mark.parametrize("qg_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,h", [(9, 8), (8, 2), (3, 1)], ids=["N9-H8", "N8-H2-even", "N3-H1"])
+def test_tensor_core_logits_sum_exact_products(device_lib, monkeypatch, qg_dtype, n, h):
+    """bf16 heads of 64 vectors take their logits on tensor cores, q g as bf16 hi + lo parts
+    (the 2-row and the odd N's 1-row forms). Sources of dyadic values make every row's sum
+    of squares exact, so the staged and streaming kernels form the same r and u = round(s r)
+    and differ only in how they sum u q g: by order alone (~1e-7) when q and g are bf16
+    (hi + lo hold q g exactly), by q g's 2^-17 relative remainder beside it for fp32 q, g."""
+    b, t, d = 1, 3, 512 * h
+    gen = torch.Generator().manual_seed(5)
+    values = torch.tensor([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0])
+    sources = values[torch.randint(0, 6, (n, b, t, d), generator=gen)].to(torch.bfloat16).to(device_lib.device)
+    query = (torch.randn(d, generator=gen) * 0.06).to(qg_dtype).to(device_lib.device)
+    norm_weight = (1.0 + 0.1 * torch.randn(d, generator=gen)).to(qg_dtype).to(device_lib.device)
+    out, weights = route(device_lib, sources, query, norm_weight, h)
+    monkeypatch.setenv("HEADWISE_MHAR_FWD_STAGED", "0")
+    stream_out, stream_weights = route(device_lib, sources, query, norm_weight, h)
+    assert rel_err(weights, stream_weights) <= (2e-6 if qg_dtype == torch.bfloat16 else 3e-5)
+    assert rel_err(out, stream_out) <= 2 ** -7
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
