@@ -92,6 +92,30 @@ struct StagedItems {
   }
 };
 
+// The diagonal of m16n8k16 accumulators D (float[4] a lane) for the dot products the
+// staged kernels take on tensor cores (B = the transpose of 8 of A's rows, matched element
+// by element): lane 4 m + m / 2 holds D[m][m] (d0 for even m, d1 for odd) and D[8 + m][m]
+// (d2, d3). Each sum is this lane's share of a warp sum, 0 on the other lanes: by a mask,
+// not a branch (a select per value compiled to a branch region each).
+struct DiagonalLane {
+  bool odd;
+  uint32_t keep_mask;
+  __device__ explicit DiagonalLane(int lane)
+      : odd(((lane >> 2) & 1) != 0), keep_mask((lane & 3) == ((lane >> 2) >> 1) ? ~0u : 0u) {}
+  __device__ float keep(float v) const { return __uint_as_float(__float_as_uint(v) & keep_mask); }
+  // up[m][m] + low[8 + m][m]
+  __device__ float upper_lower(const float (&up)[4], const float (&low)[4]) const {
+    return keep(odd ? up[1] + low[3] : up[0] + low[2]);
+  }
+  // d0[m][m] + d1[m][m], and d0[8 + m][m] + d1[8 + m][m]
+  __device__ float upper(const float (&d0)[4], const float (&d1)[4]) const {
+    return keep(odd ? d0[1] + d1[1] : d0[0] + d1[0]);
+  }
+  __device__ float lower(const float (&d0)[4], const float (&d1)[4]) const {
+    return keep(odd ? d0[3] + d1[3] : d0[2] + d1[2]);
+  }
+};
+
 // kWarpHeads: heads of 64 vectors (a warp each); else heads of kv <= 32 vectors (lane
 // segments of an item).
 template <typename T, bool kWarpHeads>
@@ -206,8 +230,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
   // loads, 16 unpacks and 16 FFMA a lane. The products are exact in fp32; the tensor core
   // adds them at fp32 width but not round-to-nearest (simt/primitives.h), a bias below the
   // last bit of r_n's sum of positive terms.
-  const int mma_g = lane >> 2, mma_t = lane & 3;
-  const bool diag_lane = mma_t == (mma_g >> 1);
+  const DiagonalLane diagonal(lane);
   auto sum_of_squares = [&](int n) {
     float upper[4] = {0.f, 0.f, 0.f, 0.f}, lower[4] = {0.f, 0.f, 0.f, 0.f};
     HW_UNROLL
@@ -218,7 +241,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
       hw::mma_step<T>(upper, a, upper_t);
       hw::mma_step<T>(lower, a, lower_t);
     }
-    return diag_lane ? ((mma_g & 1) ? upper[1] + lower[3] : upper[0] + lower[2]) : 0.f;
+    return diagonal.upper_lower(upper, lower);
   };
 
   // This lane's shares of the logits of a group's R rows of a warp head, from their
@@ -259,12 +282,11 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
         }
       }
     }
-    const bool odd = mma_g & 1;
     if constexpr (R == 2) {
-      parts[0] = diag_lane ? (odd ? d0[1] + d1[1] : d0[0] + d1[0]) : 0.f;
-      parts[1] = diag_lane ? (odd ? d0[3] + d1[3] : d0[2] + d1[2]) : 0.f;
+      parts[0] = diagonal.upper(d0, d1);
+      parts[1] = diagonal.lower(d0, d1);
     } else {
-      parts[0] = diag_lane ? (odd ? d0[1] + d1[3] : d0[0] + d1[2]) : 0.f;
+      parts[0] = diagonal.upper_lower(d0, d1);
     }
   };
 
