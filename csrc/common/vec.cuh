@@ -31,7 +31,7 @@ __device__ __forceinline__ float round_to(float x) {
 template <typename T>
 __device__ __forceinline__ uint32_t pack_pair(float a, float b) {
   static_assert(sizeof(T) == 2, "two 16-bit values a word");
-#if !HW_SIM && defined(__CUDA_ARCH__)
+#if !HW_SIM && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800  // cvt.rn.bf16x2.f32: sm_80+
   if constexpr (std::is_same<T, c10::BFloat16>::value) {
     uint32_t p;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(b), "f"(a));
@@ -48,7 +48,7 @@ __device__ __forceinline__ uint32_t pack_pair(float a, float b) {
 // paired fp16 cvt would still need a cvt back for each).
 template <typename T>
 __device__ __forceinline__ void round_pair_to(float& a, float& b) {
-#if !HW_SIM && defined(__CUDA_ARCH__)
+#if !HW_SIM && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800  // cvt.rn.bf16x2.f32: sm_80+
   if constexpr (std::is_same<T, c10::BFloat16>::value) {
     const uint32_t p = pack_pair<T>(a, b);
     a = __uint_as_float(p << 16);

@@ -34,7 +34,7 @@
 //     a rescale only when a head's max rises). A head's first lane keeps the logits. For
 //     bf16 heads of 64 vectors the products u q g are taken on tensor cores (logit_parts:
 //     u stays in the bf16 pairs its rounding makes, q g as bf16 hi + lo parts, 8
-//     m16n8k16 a group where the SIMT form spends 64 unpacks and FFMA a lane).
+//     m16n8k16 a group where the SIMT form spends 32 unpacks and 32 FFMA a lane).
 //   - Epilogue: out = gate acc / den (+ residual); one barrier; the weights written once,
 //     coalesced, by threads over (n, h), as in the streaming kernel.
 // Shared memory: N 16 warp sums, the logits [N, H], max and 1 / den [H], then the rows
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
     HW_UNROLL
     for (int k = 0; k < VEC; ++k) qg[i][k] *= g[k];
   }
-  // The tensor-core logits' B operands (logit_part): q g as bf16 pairs hi + lo, the
+  // The tensor-core logits' B operands (logit_parts): q g as bf16 pairs hi + lo, the
   // fragment order of the thread's packed u. hi + lo holds 16 significant bits of q g: all
   // of it when q and g are bf16 (a product of two 8-bit significands), a relative 2^-17
   // of it for fp32 q, g (the SIMT path's q g is exact to 2^-24).
@@ -250,9 +250,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
   // is each lane's own b0, b1: the transpose of 8 of A's rows, which holds the products of
   // matching elements on a diagonal of D = A B: D[m][m] (and D[8 + m][m] for A's rows 8-15
   // against B) sums them over lanes 4 m .. 4 m + 3, and lane 4 m + m / 2 holds both.
-  //   R = 2: A = {row 0's pair 2 h, row 1's pair 2 h, row 0's 2 h + 1, row 1's 2 h + 1},
-  //          B = q g of pairs 2 h, 2 h + 1: row 0's sum on D[m][m], row 1's on D[8 + m][m];
-  //          2 products (h) an item.
+  //   R = 2: A = {row 0's pair 2 e, row 1's pair 2 e, row 0's 2 e + 1, row 1's 2 e + 1},
+  //          B = q g of pairs 2 e, 2 e + 1: row 0's sum on D[m][m], row 1's on D[8 + m][m];
+  //          2 products (e) an item.
   //   R = 1: A = the row's pairs {0, 2, 1, 3}, B = q g of pairs {0, 1} into one D (A's
   //          rows 0-7) and of pairs {2, 3} into another (rows 8-15): the same 2 products an
   //          item, each B a consecutive register pair as for R = 2 (no moves to form it).

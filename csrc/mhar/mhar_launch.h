@@ -193,13 +193,12 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
   dispatch_storage_dtype(sources.scalar_type(), "mhar_route", "sources", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (sizeof(T) == 2) {
-      if (staged_fits(s, plan, "HEADWISE_MHAR_FWD_STAGED",
-                      fwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads))) {
+      const int64_t staged_bytes = fwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads);
+      if (staged_fits(s, plan, "HEADWISE_MHAR_FWD_STAGED", staged_bytes)) {
         auto kernel = s.head_dim / 8 == 64 ? &mhar_route_fwd_staged_kernel<T, true>
                                             : &mhar_route_fwd_staged_kernel<T, false>;
-        const size_t smem_bytes = static_cast<size_t>(fwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads));
-        hw::allow_dynamic_smem("mhar_route", kernel, smem_bytes);
-        HW_LAUNCH("mhar_route_fwd_staged", kernel, grid, dim3(plan.threads), smem_bytes, p);
+        hw::allow_dynamic_smem("mhar_route", kernel, static_cast<size_t>(staged_bytes));
+        HW_LAUNCH("mhar_route_fwd_staged", kernel, grid, dim3(plan.threads), static_cast<size_t>(staged_bytes), p);
         return;
       }
     }

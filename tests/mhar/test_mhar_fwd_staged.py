@@ -73,14 +73,16 @@ def test_staged_matches_streaming_and_reference(device_lib, monkeypatch, dtype, 
 
 
 @pytest.mark.parametrize("qg_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n,h", [(9, 8), (8, 2), (3, 1)], ids=["N9-H8", "N8-H2-even", "N3-H1"])
-def test_tensor_core_logits_sum_exact_products(device_lib, monkeypatch, qg_dtype, n, h):
+@pytest.mark.parametrize("n,t,h", [(9, 3, 8), (8, 3, 2), (3, 3, 1), (3, 1030, 1)],
+                         ids=["N9-H8", "N8-H2-even", "N3-H1", "N3-T1030-H1-blocks-loop"])
+def test_tensor_core_logits_sum_exact_products(device_lib, monkeypatch, qg_dtype, n, t, h):
     """bf16 heads of 64 vectors take their logits on tensor cores, q g as bf16 hi + lo parts
-    (the 2-row and the odd N's 1-row forms). Sources of dyadic values make every row's sum
-    of squares exact, so the staged and streaming kernels form the same r and u = round(s r)
-    and differ only in how they sum u q g: by order alone (~1e-7) when q and g are bf16
-    (hi + lo hold q g exactly), by q g's 2^-17 relative remainder beside it for fp32 q, g."""
-    b, t, d = 1, 3, 512 * h
+    (the 2-row and the odd N's 1-row forms; more positions than blocks in the last case).
+    Sources of dyadic values make every row's sum of squares exact, so the staged and
+    streaming kernels form the same r and u = round(s r) and differ only in how they sum
+    u q g: by order alone (~1e-7) when q and g are bf16 (hi + lo hold q g exactly), by q g's
+    2^-17 relative remainder beside it for fp32 q, g."""
+    b, d = 1, 512 * h
     gen = torch.Generator().manual_seed(5)
     values = torch.tensor([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0])
     sources = values[torch.randint(0, 6, (n, b, t, d), generator=gen)].to(torch.bfloat16).to(device_lib.device)
@@ -91,6 +93,9 @@ def test_tensor_core_logits_sum_exact_products(device_lib, monkeypatch, qg_dtype
     stream_out, stream_weights = route(device_lib, sources, query, norm_weight, h)
     assert rel_err(weights, stream_weights) <= (2e-6 if qg_dtype == torch.bfloat16 else 3e-5)
     assert rel_err(out, stream_out) <= 2 ** -7
+    if qg_dtype == torch.float32:
+        # q g's lo part rounds: the staged kernel ran (the streaming one has no such term).
+        assert not torch.equal(weights, stream_weights)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
