@@ -19,6 +19,15 @@ def backend(request):
     return testing.backend(request.param)
 
 
+@pytest.fixture(params=["sim", "cuda"])
+def kernel_backend(request):
+    """Backends that run the CUDA kernels: emulated (sim), and on the GPU (cuda, skipped
+    without one)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return testing.backend(request.param)
+
+
 @pytest.fixture(params=["cpu", "sim"])
 def host_backend(request):
     """Backends that run on this machine's CPU (for tests that count bytes or threads)."""

@@ -549,13 +549,9 @@ def make_tc_z(b, h, q, dv, layout, dtype, seed=0, device="cpu"):
     return make_z(b, h, q, dv, layout, dtype=dtype, seed=seed, device=device)
 
 
-@pytest.fixture(params=["sim", "cuda"])
-def tc_backend(request):
-    """The builds that run the tensor-core kernels: the emulator, and a GPU when there is
-    one (where plain ungated calls without stats go to cuBLAS instead, fwd_path)."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return headwise.testing.backend(request.param)
+# The tensor-core kernels' tests run on kernel_backend (conftest.py): the emulator, and a
+# GPU when there is one (where plain ungated calls without stats go to cuBLAS instead,
+# fwd_path).
 
 
 def merge64(z, w, bias, gate, rescale):
@@ -573,8 +569,8 @@ def all_closed_row_gate(b, h):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("layout", TC_LAYOUTS)
 @pytest.mark.parametrize("b,h,q,dv,d", TC_SHAPES)
-def test_tensor_core_forward_matches_reference(tc_backend, b, h, q, dv, d, layout, dtype):
-    cpu, dev = headwise.testing.backend("cpu"), tc_backend.device
+def test_tensor_core_forward_matches_reference(kernel_backend, b, h, q, dv, d, layout, dtype):
+    cpu, dev = headwise.testing.backend("cpu"), kernel_backend.device
     z = make_tc_z(b, h, q, dv, layout, dtype, device=dev)
     w, bias = (t.to(dev) for t in make_params(h, dv, d, dtype=dtype))
     gates = [(None, False), (make_gate("row_hard", b, h), False), (make_gate("soft", b, h), True),
@@ -582,7 +578,7 @@ def test_tensor_core_forward_matches_reference(tc_backend, b, h, q, dv, d, layou
     for gate, rescale in gates:
         gate = None if gate is None else gate.to(dev)
         for bb in (bias, None):
-            out = tc_backend.head_merge(z, w, bb, head_gate=gate, rescale=rescale)
+            out = kernel_backend.head_merge(z, w, bb, head_gate=gate, rescale=rescale)
             assert out.dtype == dtype and out.shape == (b, q, d)
             want = merge64(z, w, bb, gate, rescale)
             # fp32 accumulation, one rounding of the output to 8 (bf16) / 11 (f16) bits
@@ -601,13 +597,13 @@ def test_tensor_core_forward_matches_reference(tc_backend, b, h, q, dv, d, layou
 @pytest.mark.parametrize("b,h,q,dv,d", TC_SHAPES + [pytest.param(2, 2, 37, 136, 50, id="B2-H2-Q37-Dv136-D50"),
                                                    # the statistics pass's whole-slice path (Q, Dv >= 128)
                                                    pytest.param(1, 2, 128, 128, 128, id="B1-H2-Q128-Dv128-D128")])
-def test_tensor_core_stats_match_reference(tc_backend, b, h, q, dv, d, layout, dtype):
+def test_tensor_core_stats_match_reference(kernel_backend, b, h, q, dv, d, layout, dtype):
     """return_stats on tensor cores (the statistics pass): z_norm and out_norm against the
     fp64 reference, also for D < Dv (a rank-deficient W_h^T W_h), Dv over one 128-column
     tile, and a near-dead head (W_h scaled by 1e-6) whose out_norm keeps its relative
     accuracy; closed heads give 0 and their NaN z is never read; asking for stats leaves
     y as it is."""
-    dev = tc_backend.device
+    dev = kernel_backend.device
     z = make_tc_z(b, h, q, dv, layout, dtype, device=dev)
     w, bias = (t.to(dev) for t in make_params(h, dv, d, dtype=dtype))
     w_dead = w.clone()
@@ -616,8 +612,8 @@ def test_tensor_core_stats_match_reference(tc_backend, b, h, q, dv, d, layout, d
     z_nan = z.clone()
     z_nan[row_hard == 0] = float("nan")  # closed (b, h) blocks
     for ww, zz, gate in [(w, z, None), (w_dead, z, make_gate("soft", b, h).to(dev)), (w, z_nan, row_hard)]:
-        out, st = tc_backend.head_merge(zz, ww, bias, head_gate=gate, rescale=True, return_stats=True)
-        assert torch.equal(out, tc_backend.head_merge(zz, ww, bias, head_gate=gate, rescale=True))
+        out, st = kernel_backend.head_merge(zz, ww, bias, head_gate=gate, rescale=True, return_stats=True)
+        assert torch.equal(out, kernel_backend.head_merge(zz, ww, bias, head_gate=gate, rescale=True))
         want = reference.head_merge_stats(z.double(), ww.double(), head_gate=gate)
         assert rel_err(st.z_norm, want.z_norm) <= 1e-5
         assert rel_err(st.out_norm, want.out_norm) <= 1e-4
@@ -658,10 +654,10 @@ def test_library_gemm_paths_match_reference(monkeypatch, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_tensor_core_forward_skips_closed_heads(tc_backend, dtype):
+def test_tensor_core_forward_skips_closed_heads(kernel_backend, dtype):
     """NaN in the closed heads' z (per batch row) does not reach the output: those tiles
     are never loaded."""
-    dev = tc_backend.device
+    dev = kernel_backend.device
     b, h, q, dv, d = 2, 4, 37, 24, 40
     z = make_tc_z(b, h, q, dv, "bqhd_view", dtype, device=dev).clone()
     w, bias = (t.to(dev) for t in make_params(h, dv, d, dtype=dtype))
@@ -671,17 +667,17 @@ def test_tensor_core_forward_skips_closed_heads(tc_backend, dtype):
     z_nan = z.clone()
     z_nan[0, 1] = float("nan")
     z_nan[1, 3] = float("inf")
-    out = tc_backend.head_merge(z_nan, w, bias, head_gate=gate, rescale=True)
+    out = kernel_backend.head_merge(z_nan, w, bias, head_gate=gate, rescale=True)
     assert torch.isfinite(out).all()
     assert rel_err(out, merge64(z, w, bias, gate, True)) <= 8e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_tensor_core_gates_of_any_range(tc_backend, dtype):
+def test_tensor_core_gates_of_any_range(kernel_backend, dtype):
     """Gates from 1 down to 1e-39 (subnormal) in one row: the accumulators' alpha rescale
     visits heads (and, for grad_weight_o, batch rows) in ascending |gate| order, so no
     rescale factor overflows; outputs and gradients stay finite and match the reference."""
-    dev = tc_backend.device
+    dev = kernel_backend.device
     b, h, q, dv, d = 3, 5, 37, 24, 40
     z = make_tc_z(b, h, q, dv, "bqhd_view", dtype, device=dev).clone().requires_grad_()
     w, bias = (t.to(dev) for t in make_params(h, dv, d, dtype=dtype))
@@ -690,7 +686,7 @@ def test_tensor_core_gates_of_any_range(tc_backend, dtype):
                          [1e-39, 1.0, 1e-20, 0.25, 1.0],
                          [0.0, 1e-38, 0.0, 1.0, 3e-39]], device=dev)
     for rescale in (False, True):
-        out = tc_backend.head_merge(z, w, bias, head_gate=gate, rescale=rescale)
+        out = kernel_backend.head_merge(z, w, bias, head_gate=gate, rescale=rescale)
         want = merge64(z.detach(), w.detach(), bias, gate, rescale)
         assert torch.isfinite(out).all(), rescale
         assert rel_err(out, want) <= (8e-3 if dtype == torch.bfloat16 else 1e-3), rescale
@@ -845,7 +841,7 @@ def grads64(z, w, bias, gate, rescale, grad):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("layout", TC_LAYOUTS)
 @pytest.mark.parametrize("b,h,q,dv,d", TC_SHAPES)
-def test_tensor_core_backward_matches_reference(tc_backend, b, h, q, dv, d, layout, dtype):
+def test_tensor_core_backward_matches_reference(kernel_backend, b, h, q, dv, d, layout, dtype):
     """grad_z (in z's layout), grad_weight_o, grad_bias and the gate's gradient of the
     tensor-core backward against the fp64 reference and the CPU kernel; repeatable bitwise."""
     cpu = headwise.testing.backend("cpu")
@@ -853,13 +849,13 @@ def test_tensor_core_backward_matches_reference(tc_backend, b, h, q, dv, d, layo
     w, bias = make_params(h, dv, d, dtype=dtype)
     grad = torch.randn(b, q, d, generator=torch.Generator().manual_seed(9)).to(dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
-    z_dev = make_tc_z(b, h, q, dv, layout, dtype, device=tc_backend.device)  # same values and strides
+    z_dev = make_tc_z(b, h, q, dv, layout, dtype, device=kernel_backend.device)  # same values and strides
     for gate, rescale in [(None, False), (make_gate("row_hard", b, h), False), (make_gate("soft", b, h), True),
                           (all_closed_row_gate(b, h), True)]:
         results = []
-        for ops in (tc_backend, tc_backend, cpu):
+        for ops in (kernel_backend, kernel_backend, cpu):
             dev = ops.device
-            leaves = [(z_dev if dev == tc_backend.device else z).detach().requires_grad_(),  # z keeps its strides
+            leaves = [(z_dev if dev == kernel_backend.device else z).detach().requires_grad_(),  # z keeps its strides
                       w.detach().to(dev, copy=True).requires_grad_(), bias.detach().to(dev, copy=True).requires_grad_(),
                       None if gate is None else gate.detach().to(dev, copy=True).requires_grad_()]
             out = ops.head_merge(leaves[0], leaves[1], leaves[2], head_gate=leaves[3], rescale=rescale)

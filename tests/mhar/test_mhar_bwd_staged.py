@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from headwise import reference, testing
+from headwise import reference
 from headwise.testing import profiled_launches, rel_err
 
 from test_mhar_fwd_staged import SHAPES
@@ -32,16 +32,8 @@ BWD_SHAPES = SHAPES + [
 ]
 
 
-@pytest.fixture(params=["sim", "cuda"])
-def device_lib(request):
-    """The op library whose CUDA kernels run: emulated, or on the GPU."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return testing.backend(request.param)
-
-
 def ops_of(backend):
-    return torch.ops.headwise_sim if backend.name == "sim" else torch.ops.headwise
+    return getattr(torch.ops, backend.ns)
 
 
 def backward_inputs(n, b, t, d, h, dtype, device, seed=0):
@@ -67,9 +59,9 @@ def assert_grads_close(got, want, tol_sources, tol_params):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,b,t,d,h", BWD_SHAPES)
-def test_staged_backward_matches_unstaged_and_cpu(device_lib, monkeypatch, dtype, n, b, t, d, h):
-    args = backward_inputs(n, b, t, d, h, dtype, device_lib.device)
-    lib = ops_of(device_lib)
+def test_staged_backward_matches_unstaged_and_cpu(kernel_backend, monkeypatch, dtype, n, b, t, d, h):
+    args = backward_inputs(n, b, t, d, h, dtype, kernel_backend.device)
+    lib = ops_of(kernel_backend)
     staged = backward(lib, *args, h)
     monkeypatch.setenv("HEADWISE_MHAR_BWD_STAGED", "0")
     unstaged = backward(lib, *args, h)
@@ -86,26 +78,26 @@ def test_staged_backward_matches_unstaged_and_cpu(device_lib, monkeypatch, dtype
 @pytest.mark.parametrize("gate_value", [0.0, -0.7, 1.3])
 @pytest.mark.parametrize("n,b,t,d,h", [(4, 2, 5, 1024, 2), (3, 1, 70, 64, 4), (2, 1, 16400, 16, 2)],
                          ids=["kv64", "kv2-segments", "kv1-segments-loop"])
-def test_staged_backward_with_gate_matches_cpu(device_lib, gate_value, n, b, t, d, h, dtype):
+def test_staged_backward_with_gate_matches_cpu(kernel_backend, gate_value, n, b, t, d, h, dtype):
     # The gate scales dl and the dout term, and its gradient is sum_h S_h over positions
     # (per-segment partials, then the fixed-order reduction).
-    args = backward_inputs(n, b, t, d, h, dtype, device_lib.device)
-    gate = torch.tensor(gate_value, device=device_lib.device)
-    got = backward(ops_of(device_lib), *args, h, gate=gate)
+    args = backward_inputs(n, b, t, d, h, dtype, kernel_backend.device)
+    gate = torch.tensor(gate_value, device=kernel_backend.device)
+    got = backward(ops_of(kernel_backend), *args, h, gate=gate)
     want = backward(torch.ops.headwise, *[x.cpu() for x in args], h, gate=gate.cpu())
     assert_grads_close([x.cpu() for x in got], want, 2 ** -7, 2e-4)
 
 
 @pytest.mark.parametrize("n,b,t,d,h", [(5, 2, 3, 1024, 2), (4, 1, 37, 96, 3), (2, 1, 16400, 16, 2)],
                          ids=["kv64", "kv4-partial-item", "kv1-segments-loop"])
-def test_staged_backward_into_stores_then_accumulates(device_lib, n, b, t, d, h):
+def test_staged_backward_into_stores_then_accumulates(kernel_backend, n, b, t, d, h):
     # A DepthBuffer's fp32 buffer (G = float): rows [0, N) stored, then added to; the rows
     # above N untouched.
     grad_out, sources, query, norm_weight, weights = backward_inputs(n + 2, b, t, d, h, torch.bfloat16,
-                                                                     device_lib.device)
+                                                                     kernel_backend.device)
     weights = weights[:n].contiguous()
-    lib = ops_of(device_lib)
-    buf = torch.full((n + 2, b, t, d), 7.0, device=device_lib.device)
+    lib = ops_of(kernel_backend)
+    buf = torch.full((n + 2, b, t, d), 7.0, device=kernel_backend.device)
     gq, gg = lib.mhar_route_backward_into(grad_out, sources, query, norm_weight, weights, buf, h, n, EPS, False)
     ds, gq_ref, gg_ref, _ = lib.mhar_route_backward(grad_out, sources, query, norm_weight, weights, None, h, n, EPS)
     # The same fp32 values: ds is them rounded to bf16.
@@ -116,23 +108,23 @@ def test_staged_backward_into_stores_then_accumulates(device_lib, n, b, t, d, h)
     assert torch.equal(buf[:n], first[:n] + first[:n]) and torch.equal(buf[n:], first[n:])
 
 
-def test_staged_backward_is_bitwise_deterministic(device_lib):
-    args = backward_inputs(9, 2, 40, 1024, 2, torch.bfloat16, device_lib.device)
-    lib = ops_of(device_lib)
+def test_staged_backward_is_bitwise_deterministic(kernel_backend):
+    args = backward_inputs(9, 2, 40, 1024, 2, torch.bfloat16, kernel_backend.device)
+    lib = ops_of(kernel_backend)
     first = backward(lib, *args, 2)
     second = backward(lib, *args, 2)
     assert all(torch.equal(x, y) for x, y in zip(first, second) if x is not None)
 
 
-def test_staged_backward_reads_strided_sources_in_place(device_lib):
+def test_staged_backward_reads_strided_sources_in_place(kernel_backend):
     # Sources whose rows are a view with gaps (a depth buffer's first rows).
     n, b, t, d, h = 5, 2, 3, 512, 1
-    full, query, norm_weight = make_inputs(n + 2, b, t + 1, d, dtype=torch.bfloat16, device=device_lib.device,
+    full, query, norm_weight = make_inputs(n + 2, b, t + 1, d, dtype=torch.bfloat16, device=kernel_backend.device,
                                            qscale=0.05)
     sources = full[:n, :, 1:]
     weights = reference.mhar_route_weights(sources, query, norm_weight, num_heads=h).float().contiguous()
-    grad_out = torch.randn(b, t, d).to(torch.bfloat16).to(device_lib.device)
-    got = backward(ops_of(device_lib), grad_out, sources, query, norm_weight, weights, h)
+    grad_out = torch.randn(b, t, d).to(torch.bfloat16).to(kernel_backend.device)
+    got = backward(ops_of(kernel_backend), grad_out, sources, query, norm_weight, weights, h)
     want = backward(torch.ops.headwise, grad_out.cpu(), sources.contiguous().cpu(), query.cpu(), norm_weight.cpu(),
                     weights.cpu(), h)
     assert_grads_close([x.cpu() if x is not None else None for x in got], want, 2 ** -7, 2e-4)
@@ -193,13 +185,13 @@ def test_staged_backward_memory_metrics(profile_ops):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_staged_backward_non_finite_sources_propagate_like_the_unstaged_kernel(device_lib, monkeypatch, bad):
+def test_staged_backward_non_finite_sources_propagate_like_the_unstaged_kernel(kernel_backend, monkeypatch, bad):
     # The policy of tests/robustness (README): a non-finite element makes its position's
     # gradients non-finite; other positions' grad_sources are unaffected.
     n, b, t, d, h = 9, 2, 3, 1024, 2
-    grad_out, sources, query, norm_weight, weights = backward_inputs(n, b, t, d, h, torch.bfloat16, device_lib.device)
+    grad_out, sources, query, norm_weight, weights = backward_inputs(n, b, t, d, h, torch.bfloat16, kernel_backend.device)
     sources[3, 1, 2, 17] = bad
-    lib = ops_of(device_lib)
+    lib = ops_of(kernel_backend)
     got = backward(lib, grad_out, sources, query, norm_weight, weights, h)
     monkeypatch.setenv("HEADWISE_MHAR_BWD_STAGED", "0")
     want = backward(lib, grad_out, sources, query, norm_weight, weights, h)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from headwise import reference, testing
+from headwise import reference
 from headwise.testing import profiled_launches, rel_err
 
 from test_mhar_route import make_inputs
@@ -37,27 +37,18 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(params=["sim", "cuda"])
-def device_lib(request):
-    """The op library whose CUDA kernels run: emulated, or on the GPU."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return testing.backend(request.param)
-
-
 def route(backend, sources, query, norm_weight, h, *, residual=None, gate=None):
-    lib = torch.ops.headwise_sim if backend.name == "sim" else torch.ops.headwise
-    return lib.mhar_route(sources, query, norm_weight, h, sources.shape[0], 1e-6, residual, gate)
+    return getattr(torch.ops, backend.ns).mhar_route(sources, query, norm_weight, h, sources.shape[0], 1e-6, residual, gate)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,b,t,d,h", SHAPES)
-def test_staged_matches_streaming_and_reference(device_lib, monkeypatch, dtype, n, b, t, d, h):
+def test_staged_matches_streaming_and_reference(kernel_backend, monkeypatch, dtype, n, b, t, d, h):
     qscale = min(0.3, 1.5 / math.sqrt(d // h))
-    sources, query, norm_weight = make_inputs(n, b, t, d, dtype=dtype, device=device_lib.device, qscale=qscale)
-    out, weights = route(device_lib, sources, query, norm_weight, h)
+    sources, query, norm_weight = make_inputs(n, b, t, d, dtype=dtype, device=kernel_backend.device, qscale=qscale)
+    out, weights = route(kernel_backend, sources, query, norm_weight, h)
     monkeypatch.setenv("HEADWISE_MHAR_FWD_STAGED", "0")
-    stream_out, stream_weights = route(device_lib, sources, query, norm_weight, h)
+    stream_out, stream_weights = route(kernel_backend, sources, query, norm_weight, h)
     cpu_out, cpu_weights = torch.ops.headwise.mhar_route(sources.cpu(), query.cpu(), norm_weight.cpu(), h, n, 1e-6,
                                                          None, None)
     # The same fp32 math as the streaming and CPU kernels in another reduction order (often
@@ -75,7 +66,7 @@ def test_staged_matches_streaming_and_reference(device_lib, monkeypatch, dtype, 
 @pytest.mark.parametrize("qg_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,t,h", [(9, 3, 8), (8, 3, 2), (3, 3, 1), (3, 1030, 1)],
                          ids=["N9-H8", "N8-H2-even", "N3-H1", "N3-T1030-H1-blocks-loop"])
-def test_tensor_core_logits_sum_exact_products(device_lib, monkeypatch, qg_dtype, n, t, h):
+def test_tensor_core_logits_sum_exact_products(kernel_backend, monkeypatch, qg_dtype, n, t, h):
     """bf16 heads of 64 vectors take their logits on tensor cores, q g as bf16 hi + lo parts
     (the 2-row and the odd N's 1-row forms; more positions than blocks in the last case).
     Sources of dyadic values make every row's sum of squares exact, so the staged and
@@ -85,12 +76,12 @@ def test_tensor_core_logits_sum_exact_products(device_lib, monkeypatch, qg_dtype
     b, d = 1, 512 * h
     gen = torch.Generator().manual_seed(5)
     values = torch.tensor([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0])
-    sources = values[torch.randint(0, 6, (n, b, t, d), generator=gen)].to(torch.bfloat16).to(device_lib.device)
-    query = (torch.randn(d, generator=gen) * 0.06).to(qg_dtype).to(device_lib.device)
-    norm_weight = (1.0 + 0.1 * torch.randn(d, generator=gen)).to(qg_dtype).to(device_lib.device)
-    out, weights = route(device_lib, sources, query, norm_weight, h)
+    sources = values[torch.randint(0, 6, (n, b, t, d), generator=gen)].to(torch.bfloat16).to(kernel_backend.device)
+    query = (torch.randn(d, generator=gen) * 0.06).to(qg_dtype).to(kernel_backend.device)
+    norm_weight = (1.0 + 0.1 * torch.randn(d, generator=gen)).to(qg_dtype).to(kernel_backend.device)
+    out, weights = route(kernel_backend, sources, query, norm_weight, h)
     monkeypatch.setenv("HEADWISE_MHAR_FWD_STAGED", "0")
-    stream_out, stream_weights = route(device_lib, sources, query, norm_weight, h)
+    stream_out, stream_weights = route(kernel_backend, sources, query, norm_weight, h)
     assert rel_err(weights, stream_weights) <= (2e-6 if qg_dtype == torch.bfloat16 else 3e-5)
     assert rel_err(out, stream_out) <= 2 ** -7
     if qg_dtype == torch.float32:
@@ -102,22 +93,22 @@ def test_tensor_core_logits_sum_exact_products(device_lib, monkeypatch, qg_dtype
 @pytest.mark.parametrize("n,b,t,d,h", [(4, 2, 5, 1024, 2), (3, 1, 1030, 64, 4)],
                          ids=["kv64", "kv2-blocks-loop"])
 @pytest.mark.parametrize("gate_value", [None, 0.0, -0.7])
-def test_staged_with_residual_and_gate(device_lib, gate_value, n, b, t, d, h, dtype):
-    sources, query, norm_weight = make_inputs(n, b, t, d, dtype=dtype, device=device_lib.device, qscale=0.05)
-    residual = torch.randn(b, t, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(device_lib.device)
-    gate = None if gate_value is None else torch.tensor(gate_value, device=device_lib.device)
-    out, _ = route(device_lib, sources, query, norm_weight, h, residual=residual, gate=gate)
+def test_staged_with_residual_and_gate(kernel_backend, gate_value, n, b, t, d, h, dtype):
+    sources, query, norm_weight = make_inputs(n, b, t, d, dtype=dtype, device=kernel_backend.device, qscale=0.05)
+    residual = torch.randn(b, t, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(kernel_backend.device)
+    gate = None if gate_value is None else torch.tensor(gate_value, device=kernel_backend.device)
+    out, _ = route(kernel_backend, sources, query, norm_weight, h, residual=residual, gate=gate)
     want = reference.mhar_route(sources, query, norm_weight, num_heads=h, residual=residual, gate=gate)
     assert rel_err(out.float(), want.float()) <= 2 ** -7
 
 
-def test_staged_reads_strided_sources_in_place(device_lib):
+def test_staged_reads_strided_sources_in_place(kernel_backend):
     # Sources whose rows are a view with gaps (a depth buffer's first rows).
     n, b, t, d, h = 5, 2, 3, 512, 1
-    full, query, norm_weight = make_inputs(n + 2, b, t + 1, d, dtype=torch.bfloat16, device=device_lib.device,
+    full, query, norm_weight = make_inputs(n + 2, b, t + 1, d, dtype=torch.bfloat16, device=kernel_backend.device,
                                            qscale=0.05)
     sources = full[:n, :, 1:]
-    out, weights = route(device_lib, sources, query, norm_weight, h)
+    out, weights = route(kernel_backend, sources, query, norm_weight, h)
     assert rel_err(weights, reference.mhar_route_weights(sources, query, norm_weight, num_heads=h)) <= 1e-4
     assert rel_err(out, reference.mhar_route(sources, query, norm_weight, num_heads=h)) <= 2 ** -7
 
@@ -173,15 +164,15 @@ def test_staged_memory_metrics(profile_ops):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_staged_non_finite_sources_propagate_like_the_streaming_kernel(device_lib, monkeypatch, bad):
+def test_staged_non_finite_sources_propagate_like_the_streaming_kernel(kernel_backend, monkeypatch, bad):
     # The policy of tests/robustness (README): a non-finite element makes its position's
     # outputs non-finite; other positions are unaffected.
     n, b, t, d, h = 9, 2, 3, 1024, 2
-    sources, query, norm_weight = make_inputs(n, b, t, d, dtype=torch.bfloat16, device=device_lib.device)
+    sources, query, norm_weight = make_inputs(n, b, t, d, dtype=torch.bfloat16, device=kernel_backend.device)
     sources[3, 1, 2, 17] = bad
-    out, weights = route(device_lib, sources, query, norm_weight, h)
+    out, weights = route(kernel_backend, sources, query, norm_weight, h)
     monkeypatch.setenv("HEADWISE_MHAR_FWD_STAGED", "0")
-    stream_out, stream_weights = route(device_lib, sources, query, norm_weight, h)
+    stream_out, stream_weights = route(kernel_backend, sources, query, norm_weight, h)
     assert torch.equal(torch.isfinite(out), torch.isfinite(stream_out))
     assert torch.equal(torch.isfinite(weights), torch.isfinite(stream_weights))
     assert not torch.isfinite(out[1, 2]).all() and torch.isfinite(out[0]).all() and torch.isfinite(out[1, :2]).all()
