@@ -7,6 +7,8 @@
 //   hw::mma_m16n8k16_f16(d, a, b, c)   mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32
 //   hw::mma_m16n8k8_tf32(d, a, b, c)   mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32
 //       d, c: float[4]; a: uint32_t[4]; b: uint32_t[2] (this lane's fragment registers)
+//   hw::mma_m16n8k8_bf16(d, a, b, c)   mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32
+//       a: uint32_t[2]; b: one uint32_t
 //   hw::mma_step<T>(d, a, b)           d += A B over one 32-byte k step of T: m16n8k16 for
 //       bf16 / fp16, m16n8k8 tf32 for float (fp32 bit patterns as operands)
 //   hw::ldmatrix<Num, Trans>(r, row)   ldmatrix.sync.aligned.m8n8.x{Num}{.trans}.shared.b16
@@ -103,6 +105,27 @@ HW_DEFINE_MMA(mma_m16n8k16_f16, f16, "mma.sync.aligned.m16n8k16.row.col.f32.f16.
 HW_DEFINE_MMA(mma_m16n8k8_tf32, tf32, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
 #undef HW_DEFINE_MMA
 #undef HW_MMA_BODY
+
+// D = A B + C over a 16x8 tile with k = 8 of bf16: half the k16 product's work, for
+// elementwise products by a diagonal B (a: 2 registers, b: 1).
+__device__ __forceinline__ void mma_m16n8k8_bf16(float (&d)[4], const uint32_t (&a)[2], uint32_t b,
+                                                 const float (&c)[4]) {
+#if HW_SIM
+  const uint32_t a4[4] = {a[0], a[1], 0u, 0u}, b2[2] = {b, 0u};
+  hw_sim::prim::mma_m16n8<hw_sim::prim::MmaType::bf16_k8>(d, a4, b2, c);
+#elif HW_PRIM_PTX
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+  (void)d;
+  (void)a;
+  (void)b;
+  (void)c;
+  __trap();
+#endif
+}
 
 // One k step of 32 bytes of T: k16 of bf16 / fp16, k8 of tf32 for float. The A and B fragments
 // of both cover the same bytes of their rows (a lane's register holds 4 bytes of k at byte

@@ -38,8 +38,9 @@
 //     pairs, into the warp's s_rr.
 //   - Pass 2, a row at a time (copies 2 at a time): the row re-read from its slots,
 //     ds = gate w dout + (r dl) q g - r^3 c / d s with no reduction, z += dl u in
-//     registers over the segment's positions. Then the group's slots take the next
-//     position's rows.
+//     registers over the segment's positions (for bf16 heads of 64 vectors the products
+//     gate w dout and dl u on tensor cores, with the scalars as sums of bf16 parts:
+//     identity_select). Then the group's slots take the next position's rows.
 //   - Segment end: the z partial stored and the gate partial summed over the block
 //     (the kBwdSegment positions in order: the sums do not depend on the grid).
 // s_sc, which every warp reads after the barrier, alternates two blocks by position parity:
@@ -58,17 +59,28 @@
 namespace headwise {
 namespace mhar {
 
-// Floats before the staged slots: the block sum's 64, then pairs (8-byte aligned) s_hv
-// [H][N], s_sc [2][16][N], s_rr [16][N], then s_dlb [H][N], s_w [H][N] and s_gate [H],
-// rounded up to 16 bytes.
+// Floats a (h, n) record of s_hv takes (16 bytes: one LDS.128 in pass 2).
+constexpr int kBwdRecord = 4;
+// Floats before the staged slots: the block sum's 64, then the records s_hv [H][N], pairs
+// (8-byte aligned) s_sc [2][16][N] and s_rr [16][N], then s_dlb [H][N], s_w [H][N] and
+// s_gate [H], rounded up to 16 bytes.
 __host__ __device__ inline int64_t bwd_staged_rows_offset(int64_t n, int64_t heads) {
-  return (64 + 2 * n * heads + 2 * 2 * n * kStagedSsPitch + 2 * kStagedSsPitch * n + 2 * n * heads + heads + 3) / 4 *
-         4;
+  return (64 + kBwdRecord * n * heads + 2 * 2 * n * kStagedSsPitch + 2 * kStagedSsPitch * n + 2 * n * heads + heads +
+          3) /
+         4 * 4;
 }
 // Then q g (fp32, 2 x 16 bytes a vector), dout and the N rows (16 bytes a vector each).
 __host__ __device__ inline int64_t bwd_staged_smem_bytes(int64_t n, int64_t heads, int64_t threads) {
   return bwd_staged_rows_offset(n, heads) * 4 + (n + 3) * kStagedItems * threads * 16;
 }
+
+// Whether the device code being compiled takes pass 2's products on tensor cores
+// (kTensorZ below): sm_90 and newer, and the emulator.
+#if HW_SIM || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+constexpr bool kBwdTensorProductsArch = true;
+#else
+constexpr bool kBwdTensorProductsArch = false;
+#endif
 
 // T: the sources' 16-bit type; G: grad_sources' (T, or fp32 for a DepthBuffer's
 // accumulator). kWarpHeads: heads of 64 vectors (a warp each); else kv <= 32.
@@ -79,6 +91,11 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   static_assert(GR == 2, "a group: 2 rows, a commit group and one reduce-scatter");
   using PackT = hw::Pack<T, VEC>;
   static_assert(sizeof(PackT) == 16, "a vector is one 16-byte copy");
+  // Pass 2's products gate w dout and dl u on tensor cores (see identity_select) for bf16
+  // heads of 64 vectors on sm_90 and newer; fp16's parts would lose range, heads of lane
+  // segments have scalars per segment where the identity's B takes one a warp, and on
+  // sm_80 the kernel spilled 8-16 bytes at its 128-register cap: these keep the SIMT form.
+  constexpr bool kTensorZ = kWarpHeads && std::is_same<T, c10::BFloat16>::value && kBwdTensorProductsArch;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nthreads = blockDim.x, nwarps = nthreads >> 5;
@@ -95,18 +112,19 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   const int64_t ds_stride_n = positions * p.route.d;
 
   float* smem = reinterpret_cast<float*>(hw::dynamic_shared_memory());
-  // Pairs: s_hv [H][N] a, b after pass 1, gate w, dl after the head step (the head's warp
-  // writes and reads them); s_sc [2][16][N] a warp's sum of squares and sum of dl b over
-  // its heads of row n (read by every warp: two blocks by position parity); s_rr [16][N]
-  // a warp's r_n, r_n^3 c_n / d. Then s_dlb [H][N] dl b, s_w [H][N] the weights and
+  // Records: s_hv [H][N] a, b after pass 1, after the head step {gate w, dl} or, for the
+  // tensor-core products, {gate w's 3 bf16 parts, dl, dl's 2} (rec_parts; the head's warp
+  // writes and reads them). Pairs: s_sc [2][16][N] a warp's sum of squares and sum of dl b
+  // over its heads of row n (read by every warp: two blocks by position parity); s_rr
+  // [16][N] a warp's r_n, r_n^3 c_n / d. Then s_dlb [H][N] dl b, s_w [H][N] the weights and
   // s_gate [H] the segment's sum of S_h (a head's warp writes and reads them; s_gate its
   // first lane: in a register it spilled at the 128-register cap). Rows n are fastest:
   // the head step and the r step read them by lanes n, conflict-free.
   using Pair = hw::Pack<float, 2>;
   float* const s_hv = smem + 64;
-  float* const s_sc0 = s_hv + 2 * num_src * heads;
+  float* const s_sc0 = s_hv + kBwdRecord * num_src * heads;
   float* const s_rr = s_sc0 + 2 * 2 * num_src * kStagedSsPitch + 2 * warp * num_src;
-  float* const s_dlb = s_rr - 2 * warp * num_src + 2 * kStagedSsPitch * num_src;
+  float* const s_dlb = s_sc0 + (2 * 2 + 2) * num_src * kStagedSsPitch;
   float* const s_w = s_dlb + num_src * heads;
   float* const s_gate = s_w + num_src * heads;
   auto load_pair = [](const float* at) { return hw::load_pack<float, 2>(at); };
@@ -194,6 +212,58 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
     hw::cp_async_commit();
   };
   if (blockIdx.x >= segments) return;  // the launcher's grid is at most the segments
+
+  // Pass 2's products with a per-row scalar on tensor cores (kTensorZ; the scalar is the
+  // warp's: a head of 64 vectors): gate w dout and dl u, the vectors as the bf16 pairs
+  // they are held in (dout as copied, u as its rounding makes it). An m16n8k8 with A = a
+  // lane's 2 pairs (A's rows g and 8 + g, columns 2t, 2t + 1) and B = v I gives
+  // D[m][c] = A[m][c] v: each lane's own 4 elements scaled, in the order it holds them,
+  // added to the fp32 accumulator. v enters as bf16 parts, one m16n8k8 a part for each
+  // 4 elements: gate w as 3 (hi = round(v), mid = round(v - hi), lo = round(v - hi - mid):
+  // all 24 bits, so the products with dout are exact and ds differs from the SIMT form
+  // only by rounding), dl as 2 (16 significant bits: each term of z within 2^-16 of
+  // dl u); 10 m16n8k8 an item where the SIMT form takes 16 FFMA and u's and dout's
+  // unpacks. B[2t, 2t + 1][g] of the identity is nonzero in lanes t = g / 2, half g % 2:
+  // a part (in the low or high half of a word) is put there by one PRMT (selector nibble
+  // 4: a zero byte; the high half's selector is the low's moved 2 bytes up: + 0x22 or
+  // + 0x2200). The head step forms the parts once into the (h, n) record:
+  // {gate w's hi | mid, its lo, dl, dl's hi | lo}.
+  auto rec_parts = [](float gw, float dl) {
+    using B16 = c10::BFloat16;
+    const float gw_r1 = gw - hw::round_to<B16>(gw);
+    const float gw_r2 = gw_r1 - hw::round_to<B16>(gw_r1);
+    hw::Pack<float, 4> r;
+    r.v[0] = __uint_as_float(hw::pack_pair<B16>(gw, gw_r1));
+    r.v[1] = __uint_as_float(hw::pack_pair<B16>(gw_r2, 0.f));
+    r.v[2] = dl;
+    r.v[3] = __uint_as_float(hw::pack_pair<B16>(dl, dl - hw::round_to<B16>(dl)));
+    return r;
+  };
+  const uint32_t identity_select = [&] {
+    const int g = lane >> 2, t = lane & 3;
+    if (t != g >> 1) return 0x4444u;
+    return (g & 1) != 0 ? 0x1044u : 0x4410u;
+  }();
+  // B = I v from a part in the low or the high half of a word.
+  auto identity_low = [&](uint32_t parts) { return __byte_perm(parts, 0u, identity_select); };
+  auto identity_high = [&](uint32_t parts) {
+    return __byte_perm(parts, 0u, identity_select + ((~identity_select & 0x4444u) >> 1));
+  };
+  // acc += pairs v for an item's 8 elements (elements 0-3: pairs 0, 1; then 4-7), v's
+  // parts in the order of b.
+  auto add_scaled_pairs = [](float (&acc)[VEC], const uint32_t (&pairs)[VEC / 2], const auto& b) {
+    HW_UNROLL
+    for (int c = 0; c < 2; ++c) {
+      const uint32_t a[2] = {pairs[2 * c], pairs[2 * c + 1]};
+      float d[4];
+      HW_UNROLL
+      for (int k = 0; k < 4; ++k) d[k] = acc[4 * c + k];
+      HW_UNROLL
+      for (uint32_t part : b) hw::mma_m16n8k8_bf16(d, a, part, d);
+      HW_UNROLL
+      for (int k = 0; k < 4; ++k) acc[4 * c + k] = d[k];
+    }
+  };
 
   const T* const sources = static_cast<const T*>(p.route.sources) + static_cast<int64_t>(v0) * VEC;
   const int seq = static_cast<int>(p.route.seq);  // b < B and t < T fit in 32 bits
@@ -284,7 +354,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
             hw::warp_sum_scatter(vals);
             if (hw::warp_scatter_leader<3 * R>(lane)) {
               const int n = n0 + hw::warp_scatter_first<3 * R>(lane) / 3;
-              store_pair(s_hv + 2 * (head[0] * num_src + n), vals[0], vals[1]);
+              store_pair(s_hv + kBwdRecord * (head[0] * num_src + n), vals[0], vals[1]);
               s_sc[2 * (warp * num_src + n)] = vals[2];
             }
           } else {
@@ -296,7 +366,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
               for (int i = 0; i < ITEMS; ++i) {
                 const float a = hw::warp_segment_sum(part[j][i][0], kv);
                 const float bv = hw::warp_segment_sum(part[j][i][1], kv);
-                if (first[i]) store_pair(s_hv + 2 * (head[i] * num_src + n0 + j), a, bv);
+                if (first[i]) store_pair(s_hv + kBwdRecord * (head[i] * num_src + n0 + j), a, bv);
               }
             }
             hw::warp_sum_scatter(ss);
@@ -318,16 +388,17 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
           const bool mine = valid[i];
           float part = 0.f;
           if (mine)
-            for (int n = seg_lane; n < num_src; n += seg_lanes) part += s_w[h * num_src + n] * s_hv[2 * (h * num_src + n)];
+            for (int n = seg_lane; n < num_src; n += seg_lanes) part += s_w[h * num_src + n] * s_hv[kBwdRecord * (h * num_src + n)];
           const float s = hw::warp_segment_sum(part, seg_lanes);
           if (mine) {
             if (first[i]) s_gate[h] += s;
             for (int n = seg_lane; n < num_src; n += seg_lanes) {
               const int e = h * num_src + n;
               const float w = s_w[e];
-              const Pair ab = load_pair(s_hv + 2 * e);
+              const Pair ab = load_pair(s_hv + kBwdRecord * e);
               const float dl = gate * w * (ab.v[0] - s);
-              store_pair(s_hv + 2 * e, gate * w, dl);
+              if constexpr (kTensorZ) hw::store_pack<float, 4>(s_hv + kBwdRecord * e, rec_parts(gate * w, dl));
+              else store_pair(s_hv + kBwdRecord * e, gate * w, dl);
               if constexpr (kWarpHeads) s_sc[2 * (warp * num_src + n) + 1] = dl * ab.v[1];
               else s_dlb[e] = dl * ab.v[1];
             }
@@ -363,12 +434,19 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
       // association); z += dl round(s_n r). `accumulate` (ds adds to what grad_sources
       // holds) is a std::bool_constant.
       auto emit_grads = [&](auto accumulate) {
-        // dout, from its slot before the first group's copies replace it.
-        float dout[ITEMS][VEC];
+        // dout, from its slot before the first group's copies replace it: as fp32 or,
+        // for the tensor-core products, as the bf16 pairs of the A fragment.
+        [[maybe_unused]] float dout[ITEMS][VEC];
+        [[maybe_unused]] uint32_t dout_pairs[ITEMS][VEC / 2];
         HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
-          if (present(i)) load_dout(i, dout[i]);
-          else {
+          if constexpr (kTensorZ) {
+            const auto v = hw::load_pack<uint32_t, VEC / 2>(reinterpret_cast<const uint32_t*>(dout_slots + i * nthreads));
+            HW_UNROLL
+            for (int m = 0; m < VEC / 2; ++m) dout_pairs[i][m] = v.v[m];
+          } else if (present(i)) {
+            load_dout(i, dout[i]);
+          } else {
             HW_UNROLL
             for (int k = 0; k < VEC; ++k) dout[i][k] = 0.f;
           }
@@ -376,18 +454,32 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
         // Row n's ds, slots and records, stepped a row an iteration.
         G* ds = grad_sources + pos * p.route.d;
         const PackT* row_slots = slots;
-        const float* rec_row = s_hv + 2 * head[0] * num_src;
+        const float* rec_row = s_hv + kBwdRecord * head[0] * num_src;
         const T* const next_src = source_at(next_b, next_t);
         // One row an iteration, not unrolled: two rows interleaved took the kernel to 122
         // live registers and spills (sm_90).
         HW_NO_UNROLL
-        for (int n = 0; n < num_src; ++n, ds += ds_stride_n, row_slots += ITEMS * nthreads, rec_row += 2) {
+        for (int n = 0; n < num_src; ++n, ds += ds_stride_n, row_slots += ITEMS * nthreads, rec_row += kBwdRecord) {
           const Pair rr = load_pair(s_rr + 2 * n);  // r, r^3 c / d
           // gate w, dl of the items' heads (one head: both items' in a warp's head)
           Pair rec[kWarpHeads ? 1 : ITEMS];
-          HW_UNROLL
-          for (int i = 0; i < (kWarpHeads ? 1 : ITEMS); ++i)  // (an absent item's head may not exist)
-            rec[i] = load_pair(rec_row + 2 * ((present(i) ? head[i] : head[0]) - head[0]) * num_src);
+          // The tensor-core products' B operands: the identity times each of gate w's
+          // parts (lo first: the sum's small terms first) and dl's.
+          [[maybe_unused]] uint32_t b_gw[3], b_dl[2];
+          if constexpr (kTensorZ) {
+            const auto r = hw::load_pack<float, 4>(rec_row);
+            rec[0].v[1] = r.v[2];
+            const uint32_t gw01 = __float_as_uint(r.v[0]), dl01 = __float_as_uint(r.v[3]);
+            b_gw[0] = identity_low(__float_as_uint(r.v[1]));
+            b_gw[1] = identity_high(gw01);
+            b_gw[2] = identity_low(gw01);
+            b_dl[0] = identity_high(dl01);
+            b_dl[1] = identity_low(dl01);
+          } else {
+            HW_UNROLL
+            for (int i = 0; i < (kWarpHeads ? 1 : ITEMS); ++i)  // (an absent item's head may not exist)
+              rec[i] = load_pair(rec_row + kBwdRecord * ((present(i) ? head[i] : head[0]) - head[0]) * num_src);
+          }
           HW_UNROLL
           for (int i = 0; i < ITEMS; ++i) {
             if (!present(i)) continue;
@@ -397,15 +489,28 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
             float x[VEC];
             hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(row_slots + i * nthreads)), x);
             const float rdl = rr.v[0] * w_dl.v[1];
-            float u[VEC], y[VEC], qg[VEC];
+            float y[VEC], qg[VEC];
             load_qg(i, qg);
-            HW_UNROLL
-            for (int k = 0; k < VEC; ++k) u[k] = x[k] * rr.v[0];
-            hw::round_vec_to<T, VEC>(u);
-            HW_UNROLL
-            for (int k = 0; k < VEC; ++k) {
-              y[k] = w_dl.v[0] * dout[i][k] + rdl * qg[k] - rr.v[1] * x[k];
-              z[i][k] += w_dl.v[1] * u[k];
+            if constexpr (kTensorZ) {
+              // y = ((r dl) q g - r^3 c / d s) + gate w dout, z += dl u: the products with
+              // dout and u on tensor cores, u = round(s r) as the bf16 pairs its rounding
+              // makes.
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) y[k] = rdl * qg[k] - rr.v[1] * x[k];
+              add_scaled_pairs(y, dout_pairs[i], b_gw);
+              uint32_t u[VEC / 2];
+              HW_UNROLL
+              for (int m = 0; m < VEC / 2; ++m) u[m] = hw::pack_pair<T>(x[2 * m] * rr.v[0], x[2 * m + 1] * rr.v[0]);
+              add_scaled_pairs(z[i], u, b_dl);
+            } else {
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) y[k] = w_dl.v[0] * dout[i][k] + rdl * qg[k] - rr.v[1] * x[k];
+              float u[VEC];
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) u[k] = x[k] * rr.v[0];
+              hw::round_vec_to<T, VEC>(u);
+              HW_UNROLL
+              for (int k = 0; k < VEC; ++k) z[i][k] += w_dl.v[1] * u[k];
             }
             if constexpr (decltype(accumulate)::value) {
               HW_UNROLL

@@ -108,6 +108,25 @@ def test_staged_backward_into_stores_then_accumulates(kernel_backend, n, b, t, d
     assert torch.equal(buf[:n], first[:n] + first[:n]) and torch.equal(buf[n:], first[n:])
 
 
+@pytest.mark.parametrize("n,b,t,d,h", [(9, 2, 5, 1024, 2), (3, 1, 7, 4096, 8)], ids=["N9-kv64", "N3-d4096-H8"])
+def test_tensor_core_products_keep_grad_sources_to_fp32_rounding(kernel_backend, monkeypatch, n, b, t, d, h):
+    # bf16 heads of 512 elements: pass 2 takes gate w dout and dl u on tensor cores (the
+    # emulator and sm_90+), gate w as 3 bf16 parts (exact products) and dl as 2. Into a
+    # DepthBuffer's fp32 rows, ds then differs from mhar_route_bwd_kernel's by fp32
+    # rounding (a 2-part gate w gave ~3e-6), dq and dg by dl's 2^-16.
+    grad_out, sources, query, norm_weight, weights = backward_inputs(n, b, t, d, h, torch.bfloat16,
+                                                                     kernel_backend.device)
+    lib = ops_of(kernel_backend)
+    got = {}
+    for staged in ("1", "0"):
+        monkeypatch.setenv("HEADWISE_MHAR_BWD_STAGED", staged)
+        buf = torch.zeros(n, b, t, d, device=kernel_backend.device)
+        gq, gg = lib.mhar_route_backward_into(grad_out, sources, query, norm_weight, weights, buf, h, n, EPS, False)
+        got[staged] = (buf.cpu(), gq.cpu(), gg.cpu())
+    assert rel_err(got["1"][0], got["0"][0]) <= 1e-6
+    assert rel_err(got["1"][1], got["0"][1]) <= 2e-5 and rel_err(got["1"][2], got["0"][2]) <= 2e-5
+
+
 def test_staged_backward_is_bitwise_deterministic(kernel_backend):
     args = backward_inputs(9, 2, 40, 1024, 2, torch.bfloat16, kernel_backend.device)
     lib = ops_of(kernel_backend)

@@ -17,7 +17,7 @@ import headwise  # noqa: F401  (loads headwise._sim, which registers headwise_si
 from test_simt_emulator import FAST_S, check_emulator_still_works, first_line
 
 ops = torch.ops.headwise_simtest
-BF16, F16, TF32 = 0, 1, 2
+BF16, F16, TF32, BF16_K8 = 0, 1, 2, 3
 POISON = -1  # 0xFFFFFFFF: a shared word a cp.async has not written yet (emulator)
 
 
@@ -34,21 +34,25 @@ def device(request):
 def mma_a_position(kind, lane, i):
     """(row, col) of element i of lane's A fragment. m16n8k16 .bf16/.f16: elements
     a0..a7, two per register (a0 in the low half of reg 0); m16n8k8 .tf32: a0..a3, one per
-    register."""
+    register; m16n8k8 .bf16: a0..a3, two per register."""
     g, t = lane >> 2, lane % 4
     if kind == TF32:
         return (g + 8 * (i % 2), t + 4 * (i // 2))
+    if kind == BF16_K8:
+        return (g + 8 * (i // 2), 2 * t + (i & 1))
     row = g if (i < 2 or 4 <= i < 6) else g + 8
     col = 2 * t + (i & 1) + (8 if i >= 4 else 0)
     return row, col
 
 
 def mma_b_position(kind, lane, i):
-    """(row k, col n) of element i of lane's B fragment (b0..b3 for 16-bit types, b0, b1
-    for tf32)."""
+    """(row k, col n) of element i of lane's B fragment (b0..b3 for 16-bit types at k = 16,
+    b0, b1 for tf32 and for bf16 at k = 8)."""
     g, t = lane >> 2, lane % 4
     if kind == TF32:
         return (t + 4 * i, g)
+    if kind == BF16_K8:
+        return (2 * t + i, g)
     return (2 * t + (i & 1) + (8 if i >= 2 else 0), g)
 
 
@@ -69,15 +73,20 @@ def pack_pairs(halves):
 
 
 def mma_registers(kind, a, b, c):
-    """Per-lane registers of A [16, K], B [K, 8] and C [16, 8] by the maps above."""
-    n_a, n_b = (4, 2) if kind == TF32 else (8, 4)
+    """Per-lane registers of A [16, K], B [K, 8] and C [16, 8] by the maps above (bf16 at
+    k = 8 fills registers 0, 1 of A and 0 of B; the rest are zero)."""
+    n_a, n_b = (4, 2) if kind in (TF32, BF16_K8) else (8, 4)
     a_el = torch.stack([torch.stack([a[mma_a_position(kind, l, i)] for i in range(n_a)]) for l in range(32)])
     b_el = torch.stack([torch.stack([b[mma_b_position(kind, l, i)] for i in range(n_b)]) for l in range(32)])
     c_regs = torch.stack([torch.stack([c[mma_c_position(l, i)] for i in range(4)]) for l in range(32)])
     if kind == TF32:
         return a_el.view(torch.int32), b_el.view(torch.int32), c_regs
-    dtype = torch.bfloat16 if kind == BF16 else torch.float16
-    return pack_pairs(bits16(a_el, dtype)), pack_pairs(bits16(b_el, dtype)), c_regs
+    dtype = torch.float16 if kind == F16 else torch.bfloat16
+    a_regs, b_regs = pack_pairs(bits16(a_el, dtype)), pack_pairs(bits16(b_el, dtype))
+    if kind == BF16_K8:
+        a_regs = torch.cat([a_regs, torch.zeros(32, 2, dtype=torch.int32)], dim=1)
+        b_regs = torch.cat([b_regs, torch.zeros(32, 1, dtype=torch.int32)], dim=1)
+    return a_regs, b_regs, c_regs
 
 
 def small_ints(*shape, seed, lo=-6, hi=6):
@@ -85,9 +94,9 @@ def small_ints(*shape, seed, lo=-6, hi=6):
     return torch.randint(lo, hi + 1, shape, generator=g).to(torch.float32)
 
 
-@pytest.mark.parametrize("kind", [BF16, F16, TF32], ids=["bf16", "f16", "tf32"])
+@pytest.mark.parametrize("kind", [BF16, F16, TF32, BF16_K8], ids=["bf16", "f16", "tf32", "bf16-k8"])
 def test_mma_lanes_follow_the_ptx_fragment_maps(device, kind):
-    k = 8 if kind == TF32 else 16
+    k = 8 if kind in (TF32, BF16_K8) else 16
     for seed in range(3):
         # Small integers: every product and sum is exact in fp32 on any hardware, so each
         # lane's four results must equal D at the map's positions exactly.
@@ -100,11 +109,11 @@ def test_mma_lanes_follow_the_ptx_fragment_maps(device, kind):
                 assert d[lane, i].item() == expected[mma_c_position(lane, i)].item(), (lane, i)
 
 
-@pytest.mark.parametrize("kind", [BF16, F16, TF32], ids=["bf16", "f16", "tf32"])
+@pytest.mark.parametrize("kind", [BF16, F16, TF32, BF16_K8], ids=["bf16", "f16", "tf32", "bf16-k8"])
 def test_mma_lanes_single_element_probes(device, kind):
     """A one-hot A and B: exactly one lane's one register is nonzero in D, so a swapped
     register or lane shows up as the wrong lane, not just a wrong sum."""
-    k = 8 if kind == TF32 else 16
+    k = 8 if kind in (TF32, BF16_K8) else 16
     for row, kk, col in [(0, 0, 0), (9, k - 1, 5), (15, 3, 7), (4, k // 2 + 1, 2)]:
         a = torch.zeros(16, k)
         b = torch.zeros(k, 8)

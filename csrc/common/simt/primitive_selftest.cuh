@@ -7,7 +7,8 @@
 // maps against the hardware.
 //
 //   mma_lanes(a_regs [32, 4] i32, b_regs [32, 2] i32, c [32, 4] f32, kind) -> d [32, 4] f32
-//       kind 0: m16n8k16 bf16, 1: m16n8k16 f16, 2: m16n8k8 tf32; row l = lane l's registers
+//       kind 0: m16n8k16 bf16, 1: m16n8k16 f16, 2: m16n8k8 tf32, 3: m16n8k8 bf16 (a_regs[:, :2]
+//       and b_regs[:, 0] used); row l = lane l's registers
 //   ldmatrix_lanes(smem [S] i16, row_offsets [32] i32, num, trans) -> [32, num] i32
 //       smem is copied to the block's shared memory; lane l's row address is
 //       smem + row_offsets[l] (elements); row l of the result is lane l's registers
@@ -59,8 +60,12 @@ __global__ void mma_lanes_kernel(const uint32_t* __restrict__ a, const uint32_t*
     hw::mma_m16n8k16_bf16(rd, ra, rb, rc);
   else if (Kind == 1)
     hw::mma_m16n8k16_f16(rd, ra, rb, rc);
-  else
+  else if (Kind == 2)
     hw::mma_m16n8k8_tf32(rd, ra, rb, rc);
+  else {
+    const uint32_t ra2[2] = {ra[0], ra[1]};
+    hw::mma_m16n8k8_bf16(rd, ra2, rb[0], rc);
+  }
   for (int i = 0; i < 4; ++i) d[lane * 4 + i] = rd[i];
 }
 
@@ -173,7 +178,8 @@ inline at::Tensor HW_BACKEND_ENTRY(mma_lanes)(const at::Tensor& a_regs, const at
   check_test_tensor(a_regs, op, "a_regs", at::kInt, {32, 4});
   check_test_tensor(b_regs, op, "b_regs", at::kInt, {32, 2});
   check_test_tensor(c, op, "c", at::kFloat, {32, 4});
-  TORCH_CHECK(kind >= 0 && kind <= 2, "headwise_simtest.mma_lanes: kind must be 0 (bf16), 1 (f16) or 2 (tf32)");
+  TORCH_CHECK(kind >= 0 && kind <= 3,
+              "headwise_simtest.mma_lanes: kind must be 0 (bf16), 1 (f16), 2 (tf32) or 3 (bf16, k = 8)");
   const at::OptionalDeviceGuard guard(c.device());
   const at::Tensor a = a_regs.contiguous(), b = b_regs.contiguous(), cc = c.contiguous();
   at::Tensor d = at::full({32, 4}, std::numeric_limits<float>::quiet_NaN(), c.options());
@@ -187,9 +193,12 @@ inline at::Tensor HW_BACKEND_ENTRY(mma_lanes)(const at::Tensor& a_regs, const at
   } else if (kind == 1) {
     auto kernel = &mma_lanes_kernel<1>;
     HW_LAUNCH("mma_lanes_f16", kernel, dim3(1), dim3(32), 0, ap, bp, cp, dp);
-  } else {
+  } else if (kind == 2) {
     auto kernel = &mma_lanes_kernel<2>;
     HW_LAUNCH("mma_lanes_tf32", kernel, dim3(1), dim3(32), 0, ap, bp, cp, dp);
+  } else {
+    auto kernel = &mma_lanes_kernel<3>;
+    HW_LAUNCH("mma_lanes_bf16_k8", kernel, dim3(1), dim3(32), 0, ap, bp, cp, dp);
   }
   return d;
 }

@@ -3,8 +3,9 @@
 // directly: csrc/common/mma_primitives.cuh wraps each one as hw::... with the inline PTX
 // under nvcc and these functions in the emulated build.
 //
-//   mma_m16n8<MmaType>   mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 and
-//                        mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32
+//   mma_m16n8<MmaType>   mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32,
+//                        mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 and
+//                        mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32
 //   ldmatrix<Num, Trans> ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{,.trans}.shared.b16
 //   cp_async*            cp.async.{ca,cg}.shared.global, commit_group, wait_group, wait_all
 //
@@ -16,6 +17,8 @@
 //                      B [16 x 8] ("col": k-major per column), 2 regs: reg r holds B[2t + 8r + {0,1}][g]
 //   m16n8k8 tf32       A [16 x 8], 4 regs: a0 A[g][t], a1 A[g+8][t], a2 A[g][t+4], a3 A[g+8][t+4]
 //                      B [8 x 8], 2 regs: b0 B[t][g], b1 B[t+4][g]
+//   m16n8k8 bf16       A [16 x 8], 2 regs: a0 A[g][2t + {0,1}], a1 A[g+8][2t + {0,1}]
+//                      B [8 x 8], 1 reg: b0 B[2t + {0,1}][g]
 //   C, D [16 x 8] fp32 4 regs: c0, c1 = C[g][2t + {0,1}], c2, c3 = C[g+8][2t + {0,1}]
 //   ldmatrix m8n8 .xN  lane 8i + r gives the shared address of row r of matrix i (i < N; the
 //                      addresses of the other lanes are ignored); every lane receives, per
@@ -70,7 +73,8 @@ extern "C" void __asan_storeN_noabort(uintptr_t a, size_t n);
 namespace hw_sim {
 namespace prim {
 
-enum class MmaType { bf16, f16, tf32 };
+// bf16_k8: m16n8k8 of bf16 (A 2 registers, B 1; the wrapper's a[2], a[3] and b[1] unused).
+enum class MmaType { bf16, f16, tf32, bf16_k8 };
 
 struct MmaLaneOperands {
   uint32_t a[4];
@@ -82,7 +86,8 @@ struct MmaLaneOperands {
 template <MmaType T>
 inline float unpack_half(uint32_t reg, int half) {
   const uint16_t bits = static_cast<uint16_t>(half ? reg >> 16 : reg & 0xffffu);
-  if (T == MmaType::bf16) return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+  if (T == MmaType::bf16 || T == MmaType::bf16_k8)
+    return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
@@ -95,7 +100,7 @@ inline float tf32_operand(uint32_t reg) {
 // Runs once per warp instruction with every lane's MmaLaneOperands and float[4] result.
 template <MmaType T>
 HW_SIM_NOT_COUNTED void mma_m16n8_warp(const void* const* lane_in, void* const* lane_out) {
-  constexpr int K = T == MmaType::tf32 ? 8 : 16;
+  constexpr int K = T == MmaType::tf32 || T == MmaType::bf16_k8 ? 8 : 16;
   float A[16][K], B[K][8], C[16][8];
   for (int lane = 0; lane < 32; ++lane) {
     const MmaLaneOperands& o = *static_cast<const MmaLaneOperands*>(lane_in[lane]);
@@ -107,6 +112,12 @@ HW_SIM_NOT_COUNTED void mma_m16n8_warp(const void* const* lane_in, void* const* 
       A[g + 8][t + 4] = tf32_operand(o.a[3]);
       B[t][g] = tf32_operand(o.b[0]);
       B[t + 4][g] = tf32_operand(o.b[1]);
+    } else if (T == MmaType::bf16_k8) {
+      for (int h = 0; h < 2; ++h) {
+        A[g][2 * t + h] = unpack_half<T>(o.a[0], h);
+        A[g + 8][2 * t + h] = unpack_half<T>(o.a[1], h);
+        B[2 * t + h][g] = unpack_half<T>(o.b[0], h);
+      }
     } else {
       for (int r = 0; r < 4; ++r)
         for (int h = 0; h < 2; ++h) A[g + 8 * (r & 1)][2 * t + 8 * (r >> 1) + h] = unpack_half<T>(o.a[r], h);
@@ -134,9 +145,10 @@ HW_SIM_NOT_COUNTED void mma_m16n8_warp(const void* const* lane_in, void* const* 
 // D = A B + C for one warp (d may alias c); a, b, c, d are this lane's fragment registers.
 template <MmaType T>
 constexpr const char* mma_name() {
-  return T == MmaType::bf16  ? "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-         : T == MmaType::f16 ? "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-                             : "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32";
+  return T == MmaType::bf16      ? "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+         : T == MmaType::f16     ? "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+         : T == MmaType::bf16_k8 ? "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32"
+                                 : "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32";
 }
 
 template <MmaType T>
