@@ -59,19 +59,24 @@
 namespace headwise {
 namespace mhar {
 
-// Floats a (h, n) record of s_hv takes (16 bytes: one LDS.128 in pass 2).
-constexpr int kBwdRecord = 4;
+// Floats a (h, n) record of s_hv takes: 4 (16 bytes, one LDS.128 in pass 2) for bf16
+// heads of 64 vectors, whose records hold the parts of pass 2's tensor-core products
+// (kTensorZ; also on sm_80, which keeps the SIMT form: the launcher's size does not
+// depend on the arch), else 2 (mhar_kernel.cuh's kBwdRecordFloats is the other kernel's).
+template <typename T, bool kWarpHeads>
+constexpr int bwd_record_floats() {
+  return kWarpHeads && std::is_same<T, c10::BFloat16>::value ? 4 : 2;
+}
 // Floats before the staged slots: the block sum's 64, then the records s_hv [H][N], pairs
 // (8-byte aligned) s_sc [2][16][N] and s_rr [16][N], then s_dlb [H][N], s_w [H][N] and
 // s_gate [H], rounded up to 16 bytes.
-__host__ __device__ inline int64_t bwd_staged_rows_offset(int64_t n, int64_t heads) {
-  return (64 + kBwdRecord * n * heads + 2 * 2 * n * kStagedSsPitch + 2 * kStagedSsPitch * n + 2 * n * heads + heads +
-          3) /
+__host__ __device__ inline int64_t bwd_staged_rows_offset(int64_t n, int64_t heads, int64_t record) {
+  return (64 + record * n * heads + 2 * 2 * n * kStagedSsPitch + 2 * kStagedSsPitch * n + 2 * n * heads + heads + 3) /
          4 * 4;
 }
 // Then q g (fp32, 2 x 16 bytes a vector), dout and the N rows (16 bytes a vector each).
-__host__ __device__ inline int64_t bwd_staged_smem_bytes(int64_t n, int64_t heads, int64_t threads) {
-  return bwd_staged_rows_offset(n, heads) * 4 + (n + 3) * kStagedItems * threads * 16;
+__host__ __device__ inline int64_t bwd_staged_smem_bytes(int64_t n, int64_t heads, int64_t record, int64_t threads) {
+  return bwd_staged_rows_offset(n, heads, record) * 4 + (n + 3) * kStagedItems * threads * 16;
 }
 
 // Whether the device code being compiled takes pass 2's products on tensor cores
@@ -96,6 +101,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   // segments have scalars per segment where the identity's B takes one a warp, and on
   // sm_80 the kernel spilled 8-16 bytes at its 128-register cap: these keep the SIMT form.
   constexpr bool kTensorZ = kWarpHeads && std::is_same<T, c10::BFloat16>::value && kBwdTensorProductsArch;
+  constexpr int kRecord = bwd_record_floats<T, kWarpHeads>();
+  static_assert(!kTensorZ || kRecord == 4, "the tensor-core products' parts fill a 16-byte record");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nthreads = blockDim.x, nwarps = nthreads >> 5;
@@ -122,7 +129,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   // the head step and the r step read them by lanes n, conflict-free.
   using Pair = hw::Pack<float, 2>;
   float* const s_hv = smem + 64;
-  float* const s_sc0 = s_hv + kBwdRecord * num_src * heads;
+  float* const s_sc0 = s_hv + kRecord * num_src * heads;
   float* const s_rr = s_sc0 + 2 * 2 * num_src * kStagedSsPitch + 2 * warp * num_src;
   float* const s_dlb = s_sc0 + (2 * 2 + 2) * num_src * kStagedSsPitch;
   float* const s_w = s_dlb + num_src * heads;
@@ -137,7 +144,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   // The thread's slots: q g of item i (two fp32 halves) at qg_slots[(2 i + half) nthreads],
   // dout of item i at dout_slots[i nthreads], row n's at slots[(n ITEMS + i) nthreads].
   using PackF = hw::Pack<float, 4>;
-  PackF* const qg_slots = reinterpret_cast<PackF*>(smem + bwd_staged_rows_offset(num_src, heads)) + tid;
+  PackF* const qg_slots = reinterpret_cast<PackF*>(smem + bwd_staged_rows_offset(num_src, heads, kRecord)) + tid;
   PackT* const dout_slots = reinterpret_cast<PackT*>(qg_slots - tid + 2 * ITEMS * nthreads) + tid;
   PackT* const slots = dout_slots + ITEMS * nthreads;
 
@@ -354,7 +361,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
             hw::warp_sum_scatter(vals);
             if (hw::warp_scatter_leader<3 * R>(lane)) {
               const int n = n0 + hw::warp_scatter_first<3 * R>(lane) / 3;
-              store_pair(s_hv + kBwdRecord * (head[0] * num_src + n), vals[0], vals[1]);
+              store_pair(s_hv + kRecord * (head[0] * num_src + n), vals[0], vals[1]);
               s_sc[2 * (warp * num_src + n)] = vals[2];
             }
           } else {
@@ -366,7 +373,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
               for (int i = 0; i < ITEMS; ++i) {
                 const float a = hw::warp_segment_sum(part[j][i][0], kv);
                 const float bv = hw::warp_segment_sum(part[j][i][1], kv);
-                if (first[i]) store_pair(s_hv + kBwdRecord * (head[i] * num_src + n0 + j), a, bv);
+                if (first[i]) store_pair(s_hv + kRecord * (head[i] * num_src + n0 + j), a, bv);
               }
             }
             hw::warp_sum_scatter(ss);
@@ -388,17 +395,17 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
           const bool mine = valid[i];
           float part = 0.f;
           if (mine)
-            for (int n = seg_lane; n < num_src; n += seg_lanes) part += s_w[h * num_src + n] * s_hv[kBwdRecord * (h * num_src + n)];
+            for (int n = seg_lane; n < num_src; n += seg_lanes) part += s_w[h * num_src + n] * s_hv[kRecord * (h * num_src + n)];
           const float s = hw::warp_segment_sum(part, seg_lanes);
           if (mine) {
             if (first[i]) s_gate[h] += s;
             for (int n = seg_lane; n < num_src; n += seg_lanes) {
               const int e = h * num_src + n;
               const float w = s_w[e];
-              const Pair ab = load_pair(s_hv + kBwdRecord * e);
+              const Pair ab = load_pair(s_hv + kRecord * e);
               const float dl = gate * w * (ab.v[0] - s);
-              if constexpr (kTensorZ) hw::store_pack<float, 4>(s_hv + kBwdRecord * e, rec_parts(gate * w, dl));
-              else store_pair(s_hv + kBwdRecord * e, gate * w, dl);
+              if constexpr (kTensorZ) hw::store_pack<float, 4>(s_hv + kRecord * e, rec_parts(gate * w, dl));
+              else store_pair(s_hv + kRecord * e, gate * w, dl);
               if constexpr (kWarpHeads) s_sc[2 * (warp * num_src + n) + 1] = dl * ab.v[1];
               else s_dlb[e] = dl * ab.v[1];
             }
@@ -454,12 +461,12 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
         // Row n's ds, slots and records, stepped a row an iteration.
         G* ds = grad_sources + pos * p.route.d;
         const PackT* row_slots = slots;
-        const float* rec_row = s_hv + kBwdRecord * head[0] * num_src;
+        const float* rec_row = s_hv + kRecord * head[0] * num_src;
         const T* const next_src = source_at(next_b, next_t);
         // One row an iteration, not unrolled: two rows interleaved took the kernel to 122
         // live registers and spills (sm_90).
         HW_NO_UNROLL
-        for (int n = 0; n < num_src; ++n, ds += ds_stride_n, row_slots += ITEMS * nthreads, rec_row += kBwdRecord) {
+        for (int n = 0; n < num_src; ++n, ds += ds_stride_n, row_slots += ITEMS * nthreads, rec_row += kRecord) {
           const Pair rr = load_pair(s_rr + 2 * n);  // r, r^3 c / d
           // gate w, dl of the items' heads (one head: both items' in a warp's head)
           Pair rec[kWarpHeads ? 1 : ITEMS];
@@ -468,6 +475,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
           [[maybe_unused]] uint32_t b_gw[3], b_dl[2];
           if constexpr (kTensorZ) {
             const auto r = hw::load_pack<float, 4>(rec_row);
+            rec[0].v[0] = 0.f;  // (gate w enters as its parts)
             rec[0].v[1] = r.v[2];
             const uint32_t gw01 = __float_as_uint(r.v[0]), dl01 = __float_as_uint(r.v[3]);
             b_gw[0] = identity_low(__float_as_uint(r.v[1]));
@@ -478,7 +486,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
           } else {
             HW_UNROLL
             for (int i = 0; i < (kWarpHeads ? 1 : ITEMS); ++i)  // (an absent item's head may not exist)
-              rec[i] = load_pair(rec_row + kBwdRecord * ((present(i) ? head[i] : head[0]) - head[0]) * num_src);
+              rec[i] = load_pair(rec_row + kRecord * ((present(i) ? head[i] : head[0]) - head[0]) * num_src);
           }
           HW_UNROLL
           for (int i = 0; i < ITEMS; ++i) {

@@ -257,10 +257,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
       using G = std::conditional_t<kIntoFloat, float, T>;
       const dim3 grid(static_cast<unsigned>(std::min(segments, kBwdMaxBlocks)));
       if constexpr (sizeof(T) == 2) {
-        const int64_t staged_bytes = bwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads);
+        const bool warp_heads = s.head_dim / 8 == 64;
+        const int64_t record = warp_heads ? bwd_record_floats<T, true>() : bwd_record_floats<T, false>();
+        const int64_t staged_bytes = bwd_staged_smem_bytes(s.num_sources, s.heads, record, plan.threads);
         if (staged_fits(s, plan, "HEADWISE_MHAR_BWD_STAGED", staged_bytes)) {
-          auto kernel = s.head_dim / 8 == 64 ? &mhar_route_bwd_staged_kernel<T, G, true>
-                                              : &mhar_route_bwd_staged_kernel<T, G, false>;
+          auto kernel = warp_heads ? &mhar_route_bwd_staged_kernel<T, G, true> : &mhar_route_bwd_staged_kernel<T, G, false>;
           hw::allow_dynamic_smem("mhar_route_backward", kernel, static_cast<size_t>(staged_bytes));
           HW_LAUNCH("mhar_route_bwd_staged", kernel, grid, dim3(plan.threads), static_cast<size_t>(staged_bytes), p);
           return;
