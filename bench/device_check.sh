@@ -119,7 +119,22 @@ def run(flag):
     os.environ['HEADWISE_MHAR_BWD_STAGED'] = flag
     return torch.ops.headwise.mhar_route_backward(dout, src, q, g, w, None, 8, 9, 1e-6)
 t = interleaved_median_ms({'staged': (lambda: run('1'), None), 'unstaged': (lambda: run('0'), None)}, torch.device('cuda'), repeats=20, warmup=3)
-print('mhar_route backward N=9 B=2 T=4096 d=4096 H=8 bf16 (1277 MB: 0.266 ms at 4.8 TB/s):', {k: round(v, 3) for k, v in t.items()}, 'ms')"
+print('mhar_route backward N=9 B=2 T=4096 d=4096 H=8 bf16 (1277 MB: 0.266 ms at 4.8 TB/s):', {k: round(v, 3) for k, v in t.items()}, 'ms')
+# The tensor-core products (sm_90+: sums by the hardware's tensor core, which may truncate
+# where the emulator rounds): the staged gradients' distance from the unstaged kernel's,
+# also at N = 65 rows (d = 512, one head: z's sums the longest the staged kernel takes).
+from headwise.testing import rel_err
+for n, d, h in ((9, 4096, 8), (65, 512, 1)):
+    src = torch.randn(n, 2, 4096, d, device='cuda', dtype=torch.bfloat16)
+    q = 0.3 * torch.randn(d, device='cuda'); g = torch.ones(d, device='cuda')
+    _, w = torch.ops.headwise.mhar_route(src, q, g, h, n, 1e-6, None, None)
+    dout = torch.randn(2, 4096, d, device='cuda', dtype=torch.bfloat16)
+    got = {}
+    for flag in ('1', '0'):
+        os.environ['HEADWISE_MHAR_BWD_STAGED'] = flag
+        got[flag] = torch.ops.headwise.mhar_route_backward(dout, src, q, g, w, None, h, n, 1e-6)[:3]
+    print(f'staged vs unstaged N={n} d={d} H={h}: rel err grad_sources, dq, dg =',
+          ', '.join(f'{rel_err(x.float(), y.float()):.2e}' for x, y in zip(got['1'], got['0'])))"
 
 stage "primitive self-tests and sample GEMM on the GPU (lane maps against the hardware)"
 cd tests

@@ -89,7 +89,10 @@ constexpr bool kBwdTensorProductsArch = false;
 
 // T: the sources' 16-bit type; G: grad_sources' (T, or fp32 for a DepthBuffer's
 // accumulator). kWarpHeads: heads of 64 vectors (a warp each); else kv <= 32.
-template <typename T, typename G, bool kWarpHeads>
+// kSimtProducts: pass 2 in the SIMT form on every arch (the emulated build's launcher
+// takes it under HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS=1, so that the tests run the form
+// sm_80 compiles).
+template <typename T, typename G, bool kWarpHeads, bool kSimtProducts = false>
 __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(const BwdParams p) {
   static_assert(sizeof(T) == 2, "16-bit sources: a vector is one 16-byte copy");
   constexpr int VEC = 8, ITEMS = kStagedItems, GR = kStagedGroup;
@@ -100,7 +103,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   // heads of 64 vectors on sm_90 and newer; fp16's parts would lose range, heads of lane
   // segments have scalars per segment where the identity's B takes one a warp, and on
   // sm_80 the kernel spilled 8-16 bytes at its 128-register cap: these keep the SIMT form.
-  constexpr bool kTensorZ = kWarpHeads && std::is_same<T, c10::BFloat16>::value && kBwdTensorProductsArch;
+  constexpr bool kTensorZ =
+      kWarpHeads && std::is_same<T, c10::BFloat16>::value && kBwdTensorProductsArch && !kSimtProducts;
   constexpr int kRecord = bwd_record_floats<T, kWarpHeads>();
   static_assert(!kTensorZ || kRecord == 4, "the tensor-core products' parts fill a 16-byte record");
 

@@ -118,6 +118,14 @@ inline bool staged_fits(const Shape& s, const Plan& plan, const char* env_name, 
   return smem_bytes <= limit;
 }
 
+// Whether the emulated build's staged backward takes pass 2's SIMT products for bf16 heads
+// of 64 vectors (HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS=1: the form sm_80 compiles; the
+// emulator otherwise runs sm_90's tensor-core form). The CUDA build ignores it.
+inline bool sim_simt_products() {
+  const char* env = std::getenv("HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS");
+  return HW_SIM && env != nullptr && env[0] == '1';
+}
+
 // q, g: the fp32 contiguous copies of query and norm_weight.
 inline Routing make_routing(const at::Tensor& sources, const at::Tensor& q, const at::Tensor& g,
                             const Shape& s, double eps) {
@@ -262,6 +270,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
         const int64_t staged_bytes = bwd_staged_smem_bytes(s.num_sources, s.heads, record, plan.threads);
         if (staged_fits(s, plan, "HEADWISE_MHAR_BWD_STAGED", staged_bytes)) {
           auto kernel = warp_heads ? &mhar_route_bwd_staged_kernel<T, G, true> : &mhar_route_bwd_staged_kernel<T, G, false>;
+          if constexpr (HW_SIM && std::is_same<T, c10::BFloat16>::value) {
+            if (warp_heads && sim_simt_products()) kernel = &mhar_route_bwd_staged_kernel<T, G, true, true>;
+          }
           hw::allow_dynamic_smem("mhar_route_backward", kernel, static_cast<size_t>(staged_bytes));
           HW_LAUNCH("mhar_route_bwd_staged", kernel, grid, dim3(plan.threads), static_cast<size_t>(staged_bytes), p);
           return;

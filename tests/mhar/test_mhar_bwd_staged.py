@@ -203,6 +203,38 @@ def test_staged_backward_memory_metrics(profile_ops):
     assert rec["unique_load_bytes"] <= 1.05 * (read_bytes + 2 * d * 4)
 
 
+@pytest.mark.parametrize("n,b,t,d,h,gate_value", [
+    (9, 2, 5, 1024, 2, None),
+    (33, 1, 3, 1024, 2, -0.7),  # more rows than lanes
+    (3, 1, 7, 4096, 8, 1.3),
+], ids=["N9-kv64", "N33-kv64-gate", "N3-d4096-H8-gate"])
+def test_sm80_simt_products_match_unstaged_and_cpu(profile_ops, monkeypatch, n, b, t, d, h, gate_value):
+    # bf16 heads of 64 vectors: sm_80 compiles pass 2's products in the SIMT form, the
+    # emulator (like sm_90) the tensor-core form unless HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS=1.
+    args = backward_inputs(n, b, t, d, h, torch.bfloat16, "cpu")
+    gate = None if gate_value is None else torch.tensor(gate_value)
+    run = lambda: backward(profile_ops, *args, h, gate=gate)
+    _, tensor_form = profiled_launches(run)
+    monkeypatch.setenv("HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS", "1")
+    got, simt_form = profiled_launches(run)
+    assert tensor_form[0]["kernel"] == simt_form[0]["kernel"] == "mhar_route_bwd_staged"
+    assert tensor_form[0]["mma"] > 0 and simt_form[0]["mma"] == 0
+    # Into a DepthBuffer's fp32 rows (G = float), stored then accumulated.
+    buf = torch.zeros(n, b, t, d)
+    gq, gg = profile_ops.mhar_route_backward_into(*args, buf, h, n, EPS, False)
+    profile_ops.mhar_route_backward_into(*args, buf, h, n, EPS, True)
+    monkeypatch.setenv("HEADWISE_MHAR_BWD_STAGED", "0")
+    unstaged = backward(profile_ops, *args, h, gate=gate)
+    cpu = backward(torch.ops.headwise, *args, h, gate=gate)
+    for other in (unstaged, cpu):
+        assert_grads_close(got, other, 2 ** -9, 2e-4)
+    buf_ref = torch.zeros(n, b, t, d)
+    gq_ref, gg_ref = profile_ops.mhar_route_backward_into(*args, buf_ref, h, n, EPS, False)
+    profile_ops.mhar_route_backward_into(*args, buf_ref, h, n, EPS, True)
+    assert rel_err(buf, buf_ref) <= 1e-6
+    assert rel_err(gq, gq_ref) <= 2e-4 and rel_err(gg, gg_ref) <= 2e-4
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_staged_backward_non_finite_sources_propagate_like_the_unstaged_kernel(kernel_backend, monkeypatch, bad):
     # The policy of tests/robustness (README): a non-finite element makes its position's
