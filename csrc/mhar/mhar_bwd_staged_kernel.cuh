@@ -195,13 +195,10 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   const int head_end = heads - head0 < (1 << heads_log2) ? heads : head0 + (1 << heads_log2);
   const int seg_lanes = kWarpHeads ? 32 : kv;
 
-  auto with_group_rows = [&](int n0, auto&& f) {
-    if (n0 + GR <= num_src) f(std::integral_constant<int, GR>{});
-    else f(std::integral_constant<int, 1>{});
-  };
+  const auto copies = staged_row_copies<T>(num_src, nthreads, stride_n, present);
   // The first commit group of a position: its dout (grad_out + pos d at the thread's first
-  // vector) and the weights of the warp's N x (head_end - head0) (n, h). Then each group's `rows` rows (row: the
-  // first at the thread's first vector; slot: its slot of item 0) close a commit group.
+  // vector) and the weights of the warp's N x (head_end - head0) (n, h); then each group
+  // of rows closes a commit group (copies).
   const T* const grad_out = static_cast<const T*>(p.grad_out) + static_cast<int64_t>(v0) * VEC;
   auto issue_dout_and_weights = [&](int64_t pos) {
     HW_UNROLL
@@ -212,15 +209,6 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
       if (kWarpHeads || h < head_end)
         hw::cp_async_ca<4>(s_w + h * num_src + n, p.weights + n * wstride_n + pos * heads + h);
     }
-  };
-  auto issue_rows = [&](auto rows, const T* row, PackT* slot) {
-    HW_UNROLL
-    for (int j = 0; j < decltype(rows)::value; ++j) {
-      HW_UNROLL
-      for (int i = 0; i < ITEMS; ++i)
-        if (present(i)) hw::cp_async_cg16_full(slot + (j * ITEMS + i) * nthreads, row + j * stride_n + i * 32 * VEC);
-    }
-    hw::cp_async_commit();
   };
   if (blockIdx.x >= segments) return;  // the launcher's grid is at most the segments
 
@@ -285,8 +273,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   {
     const T* src = source_at(b, t);
     issue_dout_and_weights(static_cast<int64_t>(blockIdx.x) * kBwdSegment);
-    for (int g = 0; g < groups; ++g)
-      with_group_rows(GR * g, [&](auto rows) { issue_rows(rows, src + GR * g * stride_n, slots + GR * g * ITEMS * nthreads); });
+    copies.issue_position(src, slots);
   }
   G* const grad_sources = static_cast<G*>(p.grad_sources) + static_cast<int64_t>(v0) * VEC;
 
@@ -332,7 +319,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
       for (int g = 0; g < groups; ++g) {
         hw::cp_async_wait_upto(groups - 1 - g);
         const int n0 = GR * g;
-        with_group_rows(n0, [&](auto rows_present) {
+        copies.with_group_rows(n0, [&](auto rows_present) {
           constexpr int R = decltype(rows_present)::value;
           // (row j, item i): a, b, ss of the thread's vector.
           float part[R][ITEMS][3];
@@ -472,15 +459,16 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
         HW_NO_UNROLL
         for (int n = 0; n < num_src; ++n, ds += ds_stride_n, row_slots += ITEMS * nthreads, rec_row += kRecord) {
           const Pair rr = load_pair(s_rr + 2 * n);  // r, r^3 c / d
-          // gate w, dl of the items' heads (one head: both items' in a warp's head)
-          Pair rec[kWarpHeads ? 1 : ITEMS];
+          // gate w (the SIMT form's) and dl of the items' heads (one head: both items' in a
+          // warp's head).
+          [[maybe_unused]] float gw[kWarpHeads ? 1 : ITEMS];
+          float dl[kWarpHeads ? 1 : ITEMS];
           // The tensor-core products' B operands: the identity times each of gate w's
           // parts (lo first: the sum's small terms first) and dl's.
           [[maybe_unused]] uint32_t b_gw[3], b_dl[2];
           if constexpr (kTensorZ) {
             const auto r = hw::load_pack<float, 4>(rec_row);
-            rec[0].v[0] = 0.f;  // (gate w enters as its parts)
-            rec[0].v[1] = r.v[2];
+            dl[0] = r.v[2];
             const uint32_t gw01 = __float_as_uint(r.v[0]), dl01 = __float_as_uint(r.v[3]);
             b_gw[0] = identity_low(__float_as_uint(r.v[1]));
             b_gw[1] = identity_high(gw01);
@@ -489,18 +477,21 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
             b_dl[1] = identity_low(dl01);
           } else {
             HW_UNROLL
-            for (int i = 0; i < (kWarpHeads ? 1 : ITEMS); ++i)  // (an absent item's head may not exist)
-              rec[i] = load_pair(rec_row + kRecord * ((present(i) ? head[i] : head[0]) - head[0]) * num_src);
+            for (int i = 0; i < (kWarpHeads ? 1 : ITEMS); ++i) {  // (an absent item's head may not exist)
+              const Pair rec = load_pair(rec_row + kRecord * ((present(i) ? head[i] : head[0]) - head[0]) * num_src);
+              gw[i] = rec.v[0];
+              dl[i] = rec.v[1];
+            }
           }
           HW_UNROLL
           for (int i = 0; i < ITEMS; ++i) {
             if (!present(i)) continue;
-            const Pair& w_dl = rec[kWarpHeads ? 0 : i];
+            const int hs = kWarpHeads ? 0 : i;  // the item's head's scalars
             [[maybe_unused]] float prev[VEC];  // what ds holds, with `accumulate`
             if constexpr (decltype(accumulate)::value) hw::load_as_float<VEC>(ds + i * 32 * VEC, prev);
             float x[VEC];
             hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(row_slots + i * nthreads)), x);
-            const float rdl = rr.v[0] * w_dl.v[1];
+            const float rdl = rr.v[0] * dl[hs];
             float y[VEC], qg[VEC];
             load_qg(i, qg);
             if constexpr (kTensorZ) {
@@ -516,13 +507,13 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
               add_scaled_pairs(z[i], u, b_dl);
             } else {
               HW_UNROLL
-              for (int k = 0; k < VEC; ++k) y[k] = w_dl.v[0] * dout[i][k] + rdl * qg[k] - rr.v[1] * x[k];
+              for (int k = 0; k < VEC; ++k) y[k] = gw[hs] * dout[i][k] + rdl * qg[k] - rr.v[1] * x[k];
               float u[VEC];
               HW_UNROLL
               for (int k = 0; k < VEC; ++k) u[k] = x[k] * rr.v[0];
               hw::round_vec_to<T, VEC>(u);
               HW_UNROLL
-              for (int k = 0; k < VEC; ++k) z[i][k] += w_dl.v[1] * u[k];
+              for (int k = 0; k < VEC; ++k) z[i][k] += dl[hs] * u[k];
             }
             if constexpr (decltype(accumulate)::value) {
               HW_UNROLL
@@ -535,9 +526,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
           if (has_next && ((n & 1) || n + 1 == num_src)) {
             const int n0 = n & ~1;
             if (n0 == 0) issue_dout_and_weights(next_pos);
-            with_group_rows(n0, [&](auto rows) {
-              issue_rows(rows, next_src + n0 * stride_n, slots + n0 * ITEMS * nthreads);
-            });
+            copies.issue_group(n0, next_src, slots);
           }
         }
       };

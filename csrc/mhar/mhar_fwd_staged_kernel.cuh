@@ -92,6 +92,50 @@ struct StagedItems {
   }
 };
 
+// A thread's cp.async copies of a position's rows into its slots [n][item][thread]
+// (cp.async.cg, 16 bytes a vector: a warp's request 512 contiguous bytes), a group of
+// kStagedGroup rows (or the 1 row left of an odd N) a commit group. present(i): whether the
+// thread's item i lies in the row (absent items are not copied).
+template <typename T, typename Present>
+struct StagedRowCopies {
+  using PackT = hw::Pack<T, 8>;
+  int num_src;
+  int nthreads;
+  int64_t stride_n;
+  Present present;
+  // f(std::integral_constant<int, R>) for the group of rows [n0, n0 + R).
+  template <typename F>
+  __device__ void with_group_rows(int n0, F&& f) const {
+    if (n0 + kStagedGroup <= num_src) f(std::integral_constant<int, kStagedGroup>{});
+    else f(std::integral_constant<int, 1>{});
+  }
+  // R rows as one commit group: row, the first of them at the thread's first vector;
+  // slot, its slot of item 0.
+  template <int R>
+  __device__ void issue(std::integral_constant<int, R>, const T* row, PackT* slot) const {
+    HW_UNROLL
+    for (int j = 0; j < R; ++j) {
+      HW_UNROLL
+      for (int i = 0; i < kStagedItems; ++i)
+        if (present(i)) hw::cp_async_cg16_full(slot + (j * kStagedItems + i) * nthreads, row + j * stride_n + i * 32 * 8);
+    }
+    hw::cp_async_commit();
+  }
+  // The group of rows from n0 of the position whose row 0 is at src (the thread's first
+  // vector), into slots from the thread's slot of (row 0, item 0).
+  __device__ void issue_group(int n0, const T* src, PackT* slots) const {
+    with_group_rows(n0, [&](auto rows) { issue(rows, src + n0 * stride_n, slots + n0 * kStagedItems * nthreads); });
+  }
+  // Every group of the position.
+  __device__ void issue_position(const T* src, PackT* slots) const {
+    for (int n0 = 0; n0 < num_src; n0 += kStagedGroup) issue_group(n0, src, slots);
+  }
+};
+template <typename T, typename Present>
+__device__ StagedRowCopies<T, Present> staged_row_copies(int num_src, int nthreads, int64_t stride_n, Present present) {
+  return {num_src, nthreads, stride_n, present};
+}
+
 // The diagonal of m16n8k16 accumulators D (float[4] a lane) for the dot products the
 // staged kernels take on tensor cores (B = the transpose of 8 of A's rows, matched element
 // by element): lane 4 m + m / 2 holds D[m][m] (d0 for even m, d1 for odd) and D[8 + m][m]
@@ -201,23 +245,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
 
   // Whether item i is present (heads of 64 vectors make nvec a multiple of 64: every item).
   auto present = [&](int i) { return kWarpHeads || valid[i]; };
-  // f(std::integral_constant<int, R>) for the group of rows [n0, n0 + G): R = G, or the
-  // 1 row left of an odd N.
-  auto with_group_rows = [&](int n0, auto&& f) {
-    if (n0 + G <= num_src) f(std::integral_constant<int, G>{});
-    else f(std::integral_constant<int, 1>{});
-  };
-  // Copies `rows` rows of a position into their slots as one commit group; row: the
-  // first of them at the thread's first vector, slot: its slot of item 0.
-  auto issue_rows = [&](auto rows, const T* row, PackT* slot) {
-    HW_UNROLL
-    for (int j = 0; j < decltype(rows)::value; ++j) {
-      HW_UNROLL
-      for (int i = 0; i < ITEMS; ++i)
-        if (present(i)) hw::cp_async_cg16_full(slot + (j * ITEMS + i) * nthreads, row + j * stride_n + i * 32 * VEC);
-    }
-    hw::cp_async_commit();
-  };
+  const auto copies = staged_row_copies<T>(num_src, nthreads, stride_n, present);
   if (blockIdx.x >= p.route.positions) return;  // the launcher's grid is at most the positions
   // This lane's share of the sum of squares of the warp's 64 vectors of row n: with A the
   // 16 x 16 tile whose 8-element row halves are the 32 lanes' vectors of one item (lane L's
@@ -293,8 +321,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
   const T* sources = static_cast<const T*>(p.route.sources) + static_cast<int64_t>(v0) * VEC;
   IndexSteps bt(blockIdx.x, gridDim.x, static_cast<int>(p.route.seq));  // the position's (b, t)
   const T* src = sources + bt.q * p.route.src_stride_b + bt.r * p.route.src_stride_t;
-  for (int g = 0; g < groups; ++g)
-    with_group_rows(G * g, [&](auto rows) { issue_rows(rows, src + G * g * stride_n, slots + G * g * ITEMS * nthreads); });
+  copies.issue_position(src, slots);
 
   for (int64_t pos = blockIdx.x; pos < p.route.positions; pos += gridDim.x) {
     const int64_t b = bt.q, t = bt.r;
@@ -442,9 +469,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
           HW_UNROLL
           for (int j = 0; j < R; ++j) s_logit[(n0 + j) * heads + head[i]] = logit[j][state_of(i)];
         }
-        if (has_next) issue_rows(rows_present, next_row, group_slots);
+        if (has_next) copies.issue(rows_present, next_row, group_slots);
       };
-      with_group_rows(n0, fold_group);
+      copies.with_group_rows(n0, fold_group);
     }
 
     // Epilogue: the output row, the heads' max and 1 / den; then the weights.
