@@ -26,10 +26,11 @@
 //     head of 64 vectors is then one warp (both items), a head of kv <= 32 a segment of kv
 //     lanes of one item: every logit is a warp (segment) reduction, no barrier.
 //   - Pass A: the rows' sums of squares on tensor cores (each a diagonal of a warp's
-//     A A^T, its 64 vectors A's rows: sum_of_squares), a warp's sums of 2 rows by one
-//     reduce-scatter, stored as [n][warp]. One barrier.
-//   - Pass B: per 2 rows, r_n from the warp sums (lanes 16 j + w add row n0 + j's sums by a
-//     butterfly), the rows re-read, u = round(s r), the logits reduced over the head's
+//     A A^T, its 64 vectors A's rows: sum_of_squares), a warp's sums of 2 rows by three
+//     butterfly steps over the diagonal's lanes (DiagonalLane), stored as [n][warp]. One
+//     barrier.
+//   - Pass B: r_n of the position's rows (lane n adds row n's 16 warp sums: rows_r), then
+//     per 2 rows the rows re-read, u = round(s r), the logits reduced over the head's
 //     lanes, and the online-softmax fold of the 2 rows (as the streaming kernel's stage:
 //     a rescale only when a head's max rises). A head's first lane keeps the logits. For
 //     bf16 heads of 64 vectors the products u q g are taken on tensor cores (logit_parts:
@@ -37,11 +38,12 @@
 //     m16n8k16 a group where the SIMT form spends 32 unpacks and 32 FFMA a lane).
 //   - Epilogue: out = gate acc / den (+ residual); one barrier; the weights written once,
 //     coalesced, by threads over (n, h), as in the streaming kernel.
-// Shared memory: N 16 warp sums, the logits [N, H], max and 1 / den [H], then the rows
-// (N x 2 x blockDim.x x 16 bytes: 72 KiB at the shape above). The launcher keeps it within
-// half an SM's (2 CTAs an SM, which is also what 81-128 registers allow 256-thread CTAs;
-// these kernels take 96-128: bench/ptxas_sm*.txt), so a whole position, 144 KiB an SM, is in flight where the
-// streaming kernel has one 2-row stage (36 KiB; HBM needs ~25 KiB an SM at its latency).
+// Shared memory: N rows of 16 warp sums, the logits [N, H], max and 1 / den [H], then the
+// rows (N x 2 x blockDim.x x 16 bytes: 72 KiB at the shape above). The launcher keeps it
+// within half an SM's (2 CTAs an SM, which is also what 81-128 registers allow 256-thread
+// CTAs; these kernels take 96-128: bench/ptxas_sm*.txt), so a whole position, 144 KiB an
+// SM, is in flight where the streaming kernel has one 2-row stage (36 KiB; HBM needs
+// ~25 KiB an SM at its latency).
 // A thread reads a slot with LDS.128 (a warp's 512 contiguous bytes).
 // Each element is unpacked once, in pass B, as in the streaming kernel; the reductions,
 // barriers and softmax steps are per position, not per stage.
@@ -139,24 +141,38 @@ __device__ StagedRowCopies<T, Present> staged_row_copies(int num_src, int nthrea
 // The diagonal of m16n8k16 accumulators D (float[4] a lane) for the dot products the
 // staged kernels take on tensor cores (B = the transpose of 8 of A's rows, matched element
 // by element): lane 4 m + m / 2 holds D[m][m] (d0 for even m, d1 for odd) and D[8 + m][m]
-// (d2, d3). Each sum is this lane's share of a warp sum, 0 on the other lanes: by a mask,
-// not a branch (a select per value compiled to a branch region each).
+// (d2, d3). Each is that lane's share of a warp's dot product; the other lanes' entries
+// are cross products, never read: the diagonal's sums (pair_sums, sum) take the 8 diagonal
+// lanes only. A diagonal lane's partners lane ^ 4, lane ^ 9 and lane ^ 18 are the diagonal
+// lanes of m ^ 1, m ^ 2 and m ^ 4 (m / 2, the lane in its quad, moves with m), so three
+// butterfly steps sum them, where a warp sum of a masked value takes five and the mask.
 struct DiagonalLane {
-  bool odd;
-  uint32_t keep_mask;
-  __device__ explicit DiagonalLane(int lane)
-      : odd(((lane >> 2) & 1) != 0), keep_mask((lane & 3) == ((lane >> 2) >> 1) ? ~0u : 0u) {}
-  __device__ float keep(float v) const { return __uint_as_float(__float_as_uint(v) & keep_mask); }
+  bool odd;  // m odd
+  __device__ explicit DiagonalLane(int lane) : odd(((lane >> 2) & 1) != 0) {}
   // up[m][m] + low[8 + m][m]
   __device__ float upper_lower(const float (&up)[4], const float (&low)[4]) const {
-    return keep(odd ? up[1] + low[3] : up[0] + low[2]);
+    return odd ? up[1] + low[3] : up[0] + low[2];
   }
   // d0[m][m] + d1[m][m], and d0[8 + m][m] + d1[8 + m][m]
   __device__ float upper(const float (&d0)[4], const float (&d1)[4]) const {
-    return keep(odd ? d0[1] + d1[1] : d0[0] + d1[0]);
+    return odd ? d0[1] + d1[1] : d0[0] + d1[0];
   }
   __device__ float lower(const float (&d0)[4], const float (&d1)[4]) const {
-    return keep(odd ? d0[3] + d1[3] : d0[2] + d1[2]);
+    return odd ? d0[3] + d1[3] : d0[2] + d1[2];
+  }
+  // The sums of a and of b over the diagonal lanes: the first step trades a for b between
+  // m and m ^ 1 (even m keep a), so a's sum ends on the lanes of even m (lane 0 among
+  // them), b's on those of odd m (lane 4). Returns the lane's one.
+  __device__ float pair_sums(float a, float b) const {
+    float v = (odd ? b : a) + __shfl_xor_sync(hw::kFullWarp, odd ? a : b, 4);
+    v += __shfl_xor_sync(hw::kFullWarp, v, 9);
+    return v + __shfl_xor_sync(hw::kFullWarp, v, 18);
+  }
+  // The sum of v over the diagonal lanes, on every diagonal lane (lane 0 among them).
+  __device__ float sum(float v) const {
+    v += __shfl_xor_sync(hw::kFullWarp, v, 4);
+    v += __shfl_xor_sync(hw::kFullWarp, v, 9);
+    return v + __shfl_xor_sync(hw::kFullWarp, v, 18);
   }
 };
 
@@ -241,6 +257,11 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
         if (!valid[i]) hw::store_pack<T, VEC>(reinterpret_cast<T*>(slots + (n * ITEMS + i) * nthreads), zero);
     }
   }
+  // s_ss's entries of warps past the block's last hold zeros (pass A writes those of
+  // w < nwarps), so that rows_r sums every entry of a row.
+  static_assert(kStagedSsPitch == 16, "rows_r reads a row of s_ss as 4 16-byte vectors");
+  for (int e = tid; e < num_src * kStagedSsPitch; e += nthreads)
+    if ((e & (kStagedSsPitch - 1)) >= nwarps) s_ss[e] = 0.f;
   const float gate = p.gate == nullptr ? 1.f : *p.gate;
 
   // Whether item i is present (heads of 64 vectors make nvec a multiple of 64: every item).
@@ -330,7 +351,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
     const T* next_src = sources + bt.q * p.route.src_stride_b + bt.r * p.route.src_stride_t;
 
     // Pass A: the sums of squares of the rows on tensor cores (sum_of_squares), a group's
-    // two warp sums by one reduce-scatter; the newer commit groups are this position's
+    // two warp sums over the diagonal's lanes; the newer commit groups are this position's
     // later ones. ldmatrix hands each lane other lanes' copies: a __syncwarp after the
     // wait makes them visible.
     for (int g = 0; g < groups; ++g) {
@@ -340,10 +361,9 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
       float ss[G];
       HW_UNROLL
       for (int j = 0; j < G; ++j) ss[j] = n0 + j < num_src ? sum_of_squares(n0 + j) : 0.f;
-      hw::warp_sum_scatter(ss);
-      hw::store_scattered_sums(ss, [&](int c, float sum) {
-        if (n0 + c < num_src) s_ss[(n0 + c) * kStagedSsPitch + warp] = sum;
-      });
+      // Row n0's warp sum on lane 0, row n0 + 1's on lane 4.
+      const float sum = diagonal.pair_sums(ss[0], ss[1]);
+      if (lane == 0 || (lane == 4 && n0 + 1 < num_src)) s_ss[(n0 + (lane >> 2)) * kStagedSsPitch + warp] = sum;
     }
     __syncthreads();
 
@@ -363,20 +383,32 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
       run_max[s] = -INFINITY;
       run_den[s] = 0.f;
     }
+    // r_n = rsqrt(sum of squares / d + eps) of the rows c0 + lane (a chunk of 32: the
+    // whole position when N <= 32), from their 16 warp sums in s_ss (a lane past N takes
+    // row N - 1's, unused); pass B's groups take theirs from it by a shuffle. A lane reads
+    // its row's 4 16-byte vectors starting from vector (lane / 2) % 4: 8 lanes' reads of a
+    // step then fall in distinct banks (rows 64 bytes apart).
+    const int ss_rotation = (lane >> 1) & 3;
+    auto rows_r = [&](int c0) {
+      const int n = c0 + lane < num_src ? c0 + lane : num_src - 1;
+      const float* ss = s_ss + n * kStagedSsPitch;
+      hw::Pack<float, 4> v[4];
+      HW_UNROLL
+      for (int c = 0; c < 4; ++c) v[c] = hw::load_pack<float, 4>(ss + 4 * ((c + ss_rotation) & 3));
+      float sum4[4];
+      HW_UNROLL
+      for (int k = 0; k < 4; ++k) sum4[k] = (v[0].v[k] + v[1].v[k]) + (v[2].v[k] + v[3].v[k]);
+      const float sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
+      return rsqrtf(sum * inv_d + p.route.eps);
+    };
+    float r_chunk = 0.f;
     const T* next_row = next_src;
     for (int g = 0; g < groups; ++g, next_row += G * stride_n) {
       const int n0 = G * g;
-      // r of rows n0 and n0 + 1: lane 16 j + w holds warp w's sum of row n0 + j.
+      if ((n0 & 31) == 0) r_chunk = rows_r(n0);
       float r[G];
-      {
-        const int n = n0 + (lane >> 4), w = lane & 15;
-        float s = w < nwarps && n < num_src ? s_ss[n * kStagedSsPitch + w] : 0.f;
-        HW_UNROLL
-        for (int offset = 8; offset > 0; offset >>= 1) s += __shfl_xor_sync(hw::kFullWarp, s, offset);
-        const float r_lane = rsqrtf(s * inv_d + p.route.eps);
-        HW_UNROLL
-        for (int j = 0; j < G; ++j) r[j] = __shfl_sync(hw::kFullWarp, r_lane, 16 * j);
-      }
+      HW_UNROLL
+      for (int j = 0; j < G; ++j) r[j] = __shfl_sync(hw::kFullWarp, r_chunk, (n0 + j) & 31);
       // The group with its first R rows present (an odd N's last group has one).
       PackT* const group_slots = slots + n0 * ITEMS * nthreads;
       auto fold_group = [&](auto rows_present) {
@@ -396,8 +428,15 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
           }
           float parts[G];
           logit_parts(rows_present, u, parts);
-          HW_UNROLL
-          for (int j = 0; j < R; ++j) logit[j][0] = hw::warp_sum(parts[j]);
+          // Sums over the diagonal lanes, then to every lane: row 0's from lane 0, row 1's
+          // from lane 4.
+          if constexpr (R == 2) {
+            const float sum = diagonal.pair_sums(parts[0], parts[1]);
+            logit[0][0] = __shfl_sync(hw::kFullWarp, sum, 0);
+            logit[1][0] = __shfl_sync(hw::kFullWarp, sum, 4);
+          } else {
+            logit[0][0] = __shfl_sync(hw::kFullWarp, diagonal.sum(parts[0]), 0);
+          }
         } else {
           HW_UNROLL
           for (int j = 0; j < R; ++j) {
@@ -464,7 +503,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
           run_den[s] = den;
         }
         HW_UNROLL
-        for (int i = 0; i < ITEMS; ++i) {
+        for (int i = 0; i < (kWarpHeads ? 1 : ITEMS); ++i) {  // (a warp head's first vector is item 0's)
           if (!first[i]) continue;
           HW_UNROLL
           for (int j = 0; j < R; ++j) s_logit[(n0 + j) * heads + head[i]] = logit[j][state_of(i)];
