@@ -182,7 +182,7 @@ template <typename T, bool kWarpHeads>
 __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(const FwdParams p) {
   static_assert(sizeof(T) == 2, "16-bit sources: a vector is one 16-byte copy");
   constexpr int VEC = 8, ITEMS = kStagedItems, G = kStagedGroup;
-  static_assert(G == 2, "r of a group's rows: lanes 16 j + w");
+  static_assert(G == 2, "a group's rows lie in one 32-row chunk of rows_r (n0 even)");
   // Softmax states a thread keeps: one head (a warp's) or one per item.
   constexpr int kStates = kWarpHeads ? 1 : ITEMS;
   using PackT = hw::Pack<T, VEC>;
@@ -387,7 +387,8 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
     // whole position when N <= 32), from their 16 warp sums in s_ss (a lane past N takes
     // row N - 1's, unused); pass B's groups take theirs from it by a shuffle. A lane reads
     // its row's 4 16-byte vectors starting from vector (lane / 2) % 4: 8 lanes' reads of a
-    // step then fall in distinct banks (rows 64 bytes apart).
+    // step then fall in distinct banks (rows 64 bytes apart). So with more than 8 warps the
+    // order of a row's sum depends on (n % 32) / 2: fixed, and so deterministic.
     const int ss_rotation = (lane >> 1) & 3;
     auto rows_r = [&](int c0) {
       const int n = c0 + lane < num_src ? c0 + lane : num_src - 1;

@@ -30,7 +30,11 @@ SHAPES = [
     pytest.param(3, 200, 7, 128, 2, id="N3-B200-T7-d128-kv8-blocks-loop-rows"),
     pytest.param(17, 1, 1030, 16, 1, id="N17-T1030-d16-kv2-nine-groups-blocks-loop"),
     pytest.param(1, 1, 1030, 16, 2, id="N1-T1030-d16-kv1-blocks-loop"),
-    # 512 threads: 16 warps' sums a row (the r lookup's whole 16-lane half).
+    # More rows than lanes: rows_r's chunks of 32 rows (a new one at n0 = 32, 64; the last
+    # group of 1 row).
+    pytest.param(33, 1, 3, 512, 1, id="N33-d512-H1-kv64-two-r-chunks"),
+    pytest.param(65, 1, 2, 512, 1, id="N65-d512-H1-kv64-three-r-chunks"),
+    # 512 threads: 16 warps' sums a row (rows_r adds all 16, none zero).
     pytest.param(5, 1, 2, 8192, 16, id="N5-d8192-H16-kv64-sixteen-warps"),
     # 72 vectors: the second warp holds 8 (its other lanes and second item absent).
     pytest.param(3, 1, 3, 576, 9, id="N3-d576-H9-kv8-partial-second-warp"),
