@@ -46,6 +46,9 @@ inline size_t max_dynamic_smem_optin() {
   return static_cast<size_t>(limit);
 }
 
+// The emulated build's switches (sim_flag below) do not exist here.
+inline bool sim_flag(const char*) { return false; }
+
 // The kernel's static __shared__ bytes (cudaFuncGetAttributes), which count against the
 // same per-block limit as the dynamic bytes.
 template <typename Kernel>
@@ -95,6 +98,13 @@ inline unsigned char* dynamic_shared_memory() { return hw_sim::dynamic_shared_me
 inline size_t max_dynamic_smem_optin() {
   if (const char* env = std::getenv("HEADWISE_SIM_SMEM_OPTIN")) return std::strtoull(env, nullptr, 10);
   return 227 * 1024;
+}
+// Whether the environment variable `name` is 1: a switch that makes the emulated build take
+// a path the CUDA build takes always or on other hardware (HEADWISE_SIM_LIBRARY_GEMM,
+// HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS), so that the tests run it on the CPU.
+inline bool sim_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && value[0] == '1';
 }
 template <typename Kernel>
 inline size_t static_smem_bytes(Kernel) { return 0; }  // the emulator keeps __shared__ arrays apart

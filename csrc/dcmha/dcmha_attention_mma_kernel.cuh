@@ -968,7 +968,11 @@ HW_UNROLL
       const int s0 = (kt_lo + i) * kTileKeys, stage = i & 1;
       load_rows(kbuf + stage * kTileKeys * ldq, k, s0, kTileKeys, TT, p.dh, mp.dh_pad, mp.vec16);
       load_rows(vbuf + stage * kTileKeys * ldv, v, s0, kTileKeys, TT, p.dv, mp.dv_pad, mp.vec16);
-      for (int x = threadIdx.x; x < kOutFields * kTileKeys; x += blockDim.x) {
+      // The tile's kOutFields x 32 column weights, a word a thread and step. Rolled: ptxas
+      // unrolled the loop 4x with per-field offsets kept live, which spilled 8-12 bytes in
+      // the 4-tile variants on sm_100 (its 128-register choice).
+#pragma unroll 1
+      for (int x = threadIdx.x; x < kOutFields * kTileKeys; x += kMmaThreads) {
         const int f = x / kTileKeys, c = x % kTileKeys, s = s0 + c;
         cw[(stage * kOutFields + f) * kTileKeys + c] = s < TT ? wt[out_field(f) * TT + s] : 0.f;
       }

@@ -380,6 +380,9 @@ __global__ void __launch_bounds__(kThreads) head_merge_bwd_bias_partial_kernel(c
 #pragma unroll
         for (int e = 0; e < VEC; ++e) sum[e] += static_cast<float>(x[u].v[e]);
     }
+    // At most kBiasUnroll - 1 rows are left: kept rolled (ptxas unrolled it 4x, and at
+    // sm_100's 32-register choice that spilled a loop invariant).
+#pragma unroll 1
     for (; r < r1; r += kWarps) {
       const hw::Pack<T, VEC> x = hw::load_pack<T, VEC>(col + r * d);
 #pragma unroll

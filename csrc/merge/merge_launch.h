@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <tuple>
@@ -311,11 +310,7 @@ enum class FwdPath { kLibraryGemm, kTensorCore, kSimt };
 // always in the CUDA build; in the emulated build (which otherwise runs the hand kernels
 // only) when HEADWISE_SIM_LIBRARY_GEMM=1, so that the tests check those paths' layouts
 // and in-place writes on the CPU.
-inline bool library_gemm_paths() {
-  if (!HW_SIM) return true;
-  const char* env = std::getenv("HEADWISE_SIM_LIBRARY_GEMM");
-  return env != nullptr && env[0] == '1';
-}
+inline bool library_gemm_paths() { return !HW_SIM || hw::sim_flag("HEADWISE_SIM_LIBRARY_GEMM"); }
 
 inline FwdPath fwd_path(bool library_gemm, at::ScalarType dtype, bool allow_tf32, bool gated, bool stats) {
   const bool half = dtype != at::kFloat;

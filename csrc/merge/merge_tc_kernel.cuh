@@ -127,6 +127,23 @@ struct StageAddresses {
   }
 };
 
+// Ring stage `stage`'s A slice and its B slice, kTileBytes on, in the operand ring at `ring`.
+__device__ __forceinline__ hw::SmemAddr a_slice(hw::SmemAddr ring, int stage) { return ring + stage * 2 * kTileBytes; }
+__device__ __forceinline__ hw::SmemAddr b_slice(hw::SmemAddr ring, int stage) {
+  return ring + (stage * 2 * kTileBytes + kTileBytes);
+}
+
+// One 16-deep step of the warp's 64 x 64 tile: acc[i][j] += A tile i (m16) x B tile j (n8),
+// kMmaM x kMmaN mma.sync from the fragments fa, fb.
+template <typename T>
+__device__ __forceinline__ void mma_warp_tile(float (&acc)[kMmaM][kMmaN][4], const uint32_t (&fa)[kMmaM][4],
+                                              const uint32_t (&fb)[kMmaN][2]) {
+#pragma unroll
+  for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+    for (int j = 0; j < kMmaN; ++j) hw::mma_step<T>(acc[i][j], fa[i], fb[j]);
+}
+
 // Copies the first `valid` (0..kChunkElems) elements of a 16-byte chunk at src into the
 // shared chunk dst and zero-fills the rest. `fallback` is a readable address used as the
 // source of copies that read nothing. CopyBytes: 16, 4, or 2 (plain loads, 2-byte types).
@@ -509,8 +526,6 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_fwd_tc_kernel(TcFwdPar
   constexpr int BK = kBK<T>;
   unsigned char* smem = hw::dynamic_shared_memory();
   const hw::SmemAddr ring(smem);
-  auto a_tile = [&](int stage) { return ring + stage * 2 * kTileBytes; };
-  auto b_tile = [&](int stage) { return ring + (stage * 2 * kTileBytes + kTileBytes); };
   const int64_t tile = blockIdx.x;
   const int64_t tile_n = tile % p.n_tiles;
   const int64_t tile_q = (tile / p.n_tiles) % p.q_tiles;
@@ -560,12 +575,12 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_fwd_tc_kernel(TcFwdPar
   auto issue = [&](int kt) {
     if (kt < k_tiles) {
       if (whole) {
-        copy_a.full(a_tile(issue_stage));
-        copy_b.full(b_tile(issue_stage));
+        copy_a.full(a_slice(ring, issue_stage));
+        copy_b.full(b_slice(ring, issue_stage));
       } else {
         const int k_left = dv - issue_slice * BK;
-        copy_a(a_tile(issue_stage), k_left, z);
-        copy_b(b_tile(issue_stage), k_left, w);
+        copy_a(a_slice(ring, issue_stage), k_left, z);
+        copy_b(b_slice(ring, issue_stage), k_left, w);
       }
       if (++issue_slice == slices) {
         issue_slice = 0;
@@ -621,7 +636,8 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_fwd_tc_kernel(TcFwdPar
       if (tile_n == 0 && kt < slices) {  // the first pseudo-head's slices are Z_hs itself
 #pragma unroll 1  // rolled: unrolled, the 2-byte-copy variant spills 8 bytes on sm_80
         for (int c = 0; c < kChunks; ++c) {
-          const hw::Pack<T, E> x = hw::load_pack<T, E>(static_cast<const T*>((a_tile(ld.stage) + swizzle(zrow, c)).pointer()));
+          const T* chunk = static_cast<const T*>((a_slice(ring, ld.stage) + swizzle(zrow, c)).pointer());
+          const hw::Pack<T, E> x = hw::load_pack<T, E>(chunk);
 #pragma unroll
           for (int e = 0; e < E; ++e) {
             const float v = static_cast<float>(x.v[e]);
@@ -644,10 +660,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_fwd_tc_kernel(TcFwdPar
         fb[j + 1][0] = r[2];
         fb[j + 1][1] = r[3];
       }
-#pragma unroll
-      for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-        for (int j = 0; j < kMmaN; ++j) hw::mma_step<T>(acc[i][j], fa[i], fb[j]);
+      mma_warp_tile<T>(acc, fa, fb);
     }
     ld.next();
   }
@@ -822,8 +835,6 @@ template <typename T, int CopyBytes>
 __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwdParams p) {
   unsigned char* smem = hw::dynamic_shared_memory();
   const hw::SmemAddr ring(smem);
-  auto a_tile = [&](int stage) { return ring + stage * 2 * kTileBytes; };
-  auto b_tile = [&](int stage) { return ring + (stage * 2 * kTileBytes + kTileBytes); };
   __shared__ float red[64];
   const int64_t tile = blockIdx.x;
   const int64_t tile_n = tile % p.dv_tiles;
@@ -850,8 +861,8 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwd
   auto issue = [&](int kt) {
     if (kt < k_tiles) {
       const int k0 = kt * kTransK;
-      copy_a(a_tile(issue_stage), d - k0, dy);
-      copy_b(b_tile(issue_stage), d - k0, w);
+      copy_a(a_slice(ring, issue_stage), d - k0, dy);
+      copy_b(b_slice(ring, issue_stage), d - k0, w);
       copy_a.advance(kTransK * static_cast<int64_t>(sizeof(T)));
       copy_b.advance(w_step);
       issue_stage = next_stage(issue_stage);
@@ -882,10 +893,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dz_tc_kernel(TcBwd
       for (int i = 0; i < kMmaM; ++i) hw::ldmatrix<4>(fa[i], ld.at[ks] + i * 16 * kRowBytes);
 #pragma unroll
       for (int j = 0; j < kMmaN; j += 2) ldmatrix_b_trans(fb[j], fb[j + 1], ld.at[2 + j / 2] + ks * 16 * kTransRowBytes);
-#pragma unroll
-      for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-        for (int j = 0; j < kMmaN; ++j) hw::mma_step<T>(acc[i][j], fa[i], fb[j]);
+      mma_warp_tile<T>(acc, fa, fb);
     }
     ld.next();
   }
@@ -919,8 +927,6 @@ template <typename T, int CopyBytes>
 __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwdParams p) {
   unsigned char* smem = hw::dynamic_shared_memory();
   const hw::SmemAddr ring(smem);
-  auto a_tile = [&](int stage) { return ring + stage * 2 * kTileBytes; };
-  auto b_tile = [&](int stage) { return ring + (stage * 2 * kTileBytes + kTileBytes); };
   const int64_t tile = blockIdx.x;
   const int64_t tile_n = tile % p.dv_tiles;
   const int64_t tile_m = (tile / p.dv_tiles) % p.d_tiles;
@@ -954,8 +960,8 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
   auto issue = [&](int kt) {
     if (kt < k_tiles) {
       const int q_left = seq - issue_slice * kTransK;
-      copy_a(a_tile(issue_stage), q_left, dy);
-      copy_b(b_tile(issue_stage), q_left, z);
+      copy_a(a_slice(ring, issue_stage), q_left, dy);
+      copy_b(b_slice(ring, issue_stage), q_left, z);
       if (++issue_slice == q_slices) {
         issue_slice = 0;
         issue_b = next_open_ascending(gate_of_row, p.batch, issue_b);
@@ -998,10 +1004,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
       for (int i = 0; i < kMmaM; ++i) hw::ldmatrix<4, true>(fa[i], ld.at[i] + ks * 16 * kTransRowBytes);
 #pragma unroll
       for (int j = 0; j < kMmaN; j += 2) ldmatrix_b_trans(fb[j], fb[j + 1], ld.at[kMmaM + j / 2] + ks * 16 * kTransRowBytes);
-#pragma unroll
-      for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-        for (int j = 0; j < kMmaN; ++j) hw::mma_step<T>(acc[i][j], fa[i], fb[j]);
+      mma_warp_tile<T>(acc, fa, fb);
     }
     ld.next();
   }

@@ -101,6 +101,7 @@ struct StagedItems {
 template <typename T, typename Present>
 struct StagedRowCopies {
   using PackT = hw::Pack<T, 8>;
+  static constexpr int kItemElems = 32 * 8;  // elements from item i's vector to item i + 1's
   int num_src;
   int nthreads;
   int64_t stride_n;
@@ -119,7 +120,7 @@ struct StagedRowCopies {
     for (int j = 0; j < R; ++j) {
       HW_UNROLL
       for (int i = 0; i < kStagedItems; ++i)
-        if (present(i)) hw::cp_async_cg16_full(slot + (j * kStagedItems + i) * nthreads, row + j * stride_n + i * 32 * 8);
+        if (present(i)) hw::cp_async_cg16_full(slot + (j * kStagedItems + i) * nthreads, row + j * stride_n + i * kItemElems);
     }
     hw::cp_async_commit();
   }
@@ -164,13 +165,12 @@ struct DiagonalLane {
   // m and m ^ 1 (even m keep a), so a's sum ends on the lanes of even m (lane 0 among
   // them), b's on those of odd m (lane 4). Returns the lane's one.
   __device__ float pair_sums(float a, float b) const {
-    float v = (odd ? b : a) + __shfl_xor_sync(hw::kFullWarp, odd ? a : b, 4);
-    v += __shfl_xor_sync(hw::kFullWarp, v, 9);
-    return v + __shfl_xor_sync(hw::kFullWarp, v, 18);
+    return steps_m2_m4((odd ? b : a) + __shfl_xor_sync(hw::kFullWarp, odd ? a : b, 4));
   }
   // The sum of v over the diagonal lanes, on every diagonal lane (lane 0 among them).
-  __device__ float sum(float v) const {
-    v += __shfl_xor_sync(hw::kFullWarp, v, 4);
+  __device__ float sum(float v) const { return steps_m2_m4(v + __shfl_xor_sync(hw::kFullWarp, v, 4)); }
+  // The butterfly's last two steps: the partners of m ^ 2 (lane ^ 9) and m ^ 4 (lane ^ 18).
+  __device__ static float steps_m2_m4(float v) {
     v += __shfl_xor_sync(hw::kFullWarp, v, 9);
     return v + __shfl_xor_sync(hw::kFullWarp, v, 18);
   }

@@ -121,10 +121,7 @@ inline bool staged_fits(const Shape& s, const Plan& plan, const char* env_name, 
 // Whether the emulated build's staged backward takes pass 2's SIMT products for bf16 heads
 // of 64 vectors (HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS=1: the form sm_80 compiles; the
 // emulator otherwise runs sm_90's tensor-core form). The CUDA build ignores it.
-inline bool sim_simt_products() {
-  const char* env = std::getenv("HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS");
-  return HW_SIM && env != nullptr && env[0] == '1';
-}
+inline bool sim_simt_products() { return hw::sim_flag("HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS"); }
 
 // q, g: the fp32 contiguous copies of query and norm_weight.
 inline Routing make_routing(const at::Tensor& sources, const at::Tensor& q, const at::Tensor& g,
