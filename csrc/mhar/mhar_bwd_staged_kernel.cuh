@@ -30,7 +30,9 @@
 //     segment reductions, and a head's values are written and read by its warp only.
 //   - Pass 1, 2 rows at a time: a = <dout, s_n>, b = <q g, s_n> per head and the warp's
 //     sum of squares of the row, by one reduce-scatter (heads of 64 vectors) or segment
-//     sums; a head's first lane keeps a, b in s_hv, the warp's squares go to s_sc.
+//     sums, or for bf16 heads of 64 vectors on sm_90 and newer on tensor cores with the
+//     sums on the diagonal lanes (pass1_pair_shares); a head's first lane (a diagonal
+//     lane) keeps a, b in s_hv, the warp's squares go to s_sc.
 //   - Head step (no barrier: the head is the warp's): S_h = sum_n w a, dl = gate w (a - S_h)
 //     by the head's lanes over n; the records {gate w, dl} replace a, b in s_hv, and the
 //     warp's sum of dl b over its heads goes to s_sc beside its squares. One barrier.
@@ -61,7 +63,7 @@ namespace mhar {
 
 // Floats a (h, n) record of s_hv takes: 4 (16 bytes, one LDS.128 in pass 2) for bf16
 // heads of 64 vectors, whose records hold the parts of pass 2's tensor-core products
-// (kTensorZ; also on sm_80, which keeps the SIMT form: the launcher's size does not
+// (kTensorProducts; also on sm_80, which keeps the SIMT form: the launcher's size does not
 // depend on the arch), else 2 (mhar_kernel.cuh's kBwdRecordFloats is the other kernel's).
 template <typename T, bool kWarpHeads>
 constexpr int bwd_record_floats() {
@@ -79,8 +81,8 @@ __host__ __device__ inline int64_t bwd_staged_smem_bytes(int64_t n, int64_t head
   return bwd_staged_rows_offset(n, heads, record) * 4 + (n + 3) * kStagedItems * threads * 16;
 }
 
-// Whether the device code being compiled takes pass 2's products on tensor cores
-// (kTensorZ below): sm_90 and newer, and the emulator.
+// Whether the device code being compiled takes pass 1's and pass 2's products on tensor
+// cores (kTensorProducts below): sm_90 and newer, and the emulator.
 #if HW_SIM || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 constexpr bool kBwdTensorProductsArch = true;
 #else
@@ -99,14 +101,19 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   static_assert(GR == 2, "a group: 2 rows, a commit group and one reduce-scatter");
   using PackT = hw::Pack<T, VEC>;
   static_assert(sizeof(PackT) == 16, "a vector is one 16-byte copy");
-  // Pass 2's products gate w dout and dl u on tensor cores (see identity_select) for bf16
-  // heads of 64 vectors on sm_90 and newer; fp16's parts would lose range, heads of lane
-  // segments have scalars per segment where the identity's B takes one a warp, and on
-  // sm_80 the kernel spilled 8-16 bytes at its 128-register cap: these keep the SIMT form.
-  constexpr bool kTensorZ =
+  // Pass 1's dot products (pass1_pair_shares) and pass 2's products gate w dout and dl u (see
+  // identity_select) on tensor cores for bf16 heads of 64 vectors on sm_90 and newer;
+  // fp16's parts would lose range, heads of lane segments have scalars per segment where
+  // the identity's B takes one a warp, and on sm_80 the kernel spilled 8-16 bytes at its
+  // 128-register cap: these keep the SIMT form.
+  constexpr bool kTensorProducts =
       kWarpHeads && std::is_same<T, c10::BFloat16>::value && kBwdTensorProductsArch && !kSimtProducts;
+  // Pass 1's on tensor cores where grad_sources is T; the DepthBuffer's fp32 form keeps
+  // the SIMT sums (with the tiles' lane addresses it spilled 8 bytes at the 128-register
+  // cap on sm_90).
+  constexpr bool kTensorPass1 = kTensorProducts && std::is_same<G, T>::value;
   constexpr int kRecord = bwd_record_floats<T, kWarpHeads>();
-  static_assert(!kTensorZ || kRecord == 4, "the tensor-core products' parts fill a 16-byte record");
+  static_assert(!kTensorProducts || kRecord == 4, "the tensor-core products' parts fill a 16-byte record");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nthreads = blockDim.x, nwarps = nthreads >> 5;
@@ -212,7 +219,74 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   };
   if (blockIdx.x >= segments) return;  // the launcher's grid is at most the segments
 
-  // Pass 2's products with a per-row scalar on tensor cores (kTensorZ; the scalar is the
+  // Pass 1's dot products of a group of 2 rows on tensor cores (kTensorPass1), by the
+  // staged forward's diagonal (DiagonalLane): this diagonal lane's shares of
+  // a = <dout, s_n>, b = <q g, s_n> and the sum of squares of s_n, for rows n0 and n0 + 1
+  // of the warp's head, in 4 tiles of 16 vectors: tile k = (item k / 2, the vectors of
+  // lanes 16 (k % 2) + 0..15). ldmatrix.x4 makes A of a tile: matrix 0 (A's rows 0-7,
+  // k 0-7) row n0's vectors of lanes +0..7, matrix 1 (rows 8-15) row n0 + 1's of the same
+  // lanes, matrices 2, 3 (k 8-15) the same for lanes +8..15 (tile_rows: lane 8 q + r
+  // gives matrix q's row r). Lane (g, t) so holds pair t of vectors +g (a0: row n0, a1:
+  // row n0 + 1) and +8 + g (a2, a3), and B = the other operand's pair t of those vectors
+  // (b0, b1) puts the products of matching elements on D's diagonal: D[m][m] sums row n0's
+  // over vectors +m and +8 + m (lanes 4 m + t), D[8 + m][m] row n0 + 1's, one m16n8k16 a
+  // B for both rows. B = dout's pairs (ldmatrix.x2 of the dout slots: exact products) and
+  // q g's bf16 parts hi and lo (tile_qg_parts, into the same D). The squares take m16n8k8
+  // on A's pairs {a0, a1}, {a2, a3} with B = one of A's registers: {a0, a1} a0 puts row
+  // n0's squares on D[m][m], {a0, a1} a1 row n0 + 1's on D[8 + m][m]. Per group 4 ldmatrix.x4,
+  // 4 ldmatrix.x2, 12 m16n8k16 and 16 m16n8k8, where the SIMT sums take 96 FFMA, 32 unpacks
+  // and a reduce-scatter of 6 values a lane; ldmatrix reads each slot once, conflict-free,
+  // and hands A to the mma in its register order. The tensor core adds the exact products at
+  // fp32 width (simt/primitives.h). The 1-row group of an odd N keeps the SIMT sums.
+  // ldmatrix reads other lanes' slots: a __syncwarp after the group's wait makes their
+  // copies visible, and the __syncthreads after the head step orders the reads before
+  // pass 2's copies of the next position into the slots.
+  const DiagonalLane diagonal(lane);
+  const PackT* const tile_rows =
+      slots - lane + ((lane & 7) | ((lane >> 1) & 8)) + ((lane >> 3) & 1) * ITEMS * nthreads;
+  const PackT* const tile_dout = dout_slots - lane + (lane & 15);  // (x2: lanes 0-15's addresses)
+  // q g of a tile as B: lane (g, t)'s pair t of vectors +g and +8 + g as bf16 parts hi, lo.
+  auto tile_qg_parts = [&](int k, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+    const int g = lane >> 2, t = lane & 3;
+    HW_UNROLL
+    for (int c = 0; c < 2; ++c) {
+      const PackF* const slot = qg_slots - lane + (2 * (k >> 1) + (t >> 1)) * nthreads + 16 * (k & 1) + 8 * c + g;
+      const auto v = hw::load_pack<float, 2>(reinterpret_cast<const float*>(slot) + 2 * (t & 1));
+      const float pair[2] = {v.v[0], v.v[1]};
+      uint32_t h1[1], l1[1];
+      split_pairs<T>(pair, h1, l1);
+      hi[c] = h1[0];
+      lo[c] = l1[0];
+    }
+  };
+  auto pass1_pair_shares = [&](int n0, const auto& qg_hi, const auto& qg_lo, float (&a)[2], float (&bq)[2], float (&ss)[2]) {
+    float d_a[4] = {}, d_b[4] = {}, d_s[2][4] = {};
+    const PackT* const rows = tile_rows + n0 * ITEMS * nthreads;
+    HW_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      const int i = k >> 1, h = k & 1;
+      uint32_t fa[4], b_dout[2];
+      hw::ldmatrix<4>(fa, rows + i * nthreads + 16 * h);
+      hw::ldmatrix<2>(b_dout, tile_dout + i * nthreads + 16 * h);
+      hw::mma_step<T>(d_a, fa, b_dout);
+      hw::mma_step<T>(d_b, fa, qg_hi[k]);
+      hw::mma_step<T>(d_b, fa, qg_lo[k]);
+      HW_UNROLL
+      for (int c = 0; c < 2; ++c) {
+        const uint32_t pair[2] = {fa[2 * c], fa[2 * c + 1]};
+        hw::mma_m16n8k8_bf16(d_s[0], pair, pair[0], d_s[0]);
+        hw::mma_m16n8k8_bf16(d_s[1], pair, pair[1], d_s[1]);
+      }
+    }
+    a[0] = diagonal.upper(d_a);
+    a[1] = diagonal.lower(d_a);
+    bq[0] = diagonal.upper(d_b);
+    bq[1] = diagonal.lower(d_b);
+    ss[0] = diagonal.upper(d_s[0]);
+    ss[1] = diagonal.lower(d_s[1]);
+  };
+
+  // Pass 2's products with a per-row scalar on tensor cores (kTensorProducts; the scalar is the
   // warp's: a head of 64 vectors): gate w dout and dl u, the vectors as the bf16 pairs
   // they are held in (dout as copied, u as its rounding makes it). An m16n8k8 with A = a
   // lane's 2 pairs (A's rows g and 8 + g, columns 2t, 2t + 1) and B = v I gives
@@ -314,61 +388,85 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
         hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(dout_slots + i * nthreads)), dv);
       };
 
+      // q g's bf16 parts, pass 1's B operands of the 4 tiles (tile_qg_parts), formed from the
+      // fp32 slots a position: held over the position loop they would take 16 registers
+      // from pass 2. (The position's __syncwarp above orders the slots' first writes.)
+      [[maybe_unused]] uint32_t qg_hi[4][2], qg_lo[4][2];
+      if constexpr (kTensorPass1) {
+        HW_UNROLL
+        for (int k = 0; k < 4; ++k) tile_qg_parts(k, qg_hi[k], qg_lo[k]);
+      }
+
       // Pass 1: a, b of each (row, head) and the warp's sum of squares of each row (s_sc's
       // first of the pair).
       for (int g = 0; g < groups; ++g) {
         hw::cp_async_wait_upto(groups - 1 - g);
+        if constexpr (kTensorPass1) __syncwarp();  // (other lanes' copies, for ldmatrix)
         const int n0 = GR * g;
         copies.with_group_rows(n0, [&](auto rows_present) {
           constexpr int R = decltype(rows_present)::value;
-          // (row j, item i): a, b, ss of the thread's vector.
-          float part[R][ITEMS][3];
-          HW_UNROLL
-          for (int j = 0; j < R; ++j) {
-            HW_UNROLL
-            for (int i = 0; i < ITEMS; ++i) {
-              part[j][i][0] = part[j][i][1] = part[j][i][2] = 0.f;
-              if (!present(i)) continue;
-              float x[VEC], qg[VEC], dv[VEC];
-              hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(slots + ((n0 + j) * ITEMS + i) * nthreads)), x);
-              load_qg(i, qg);
-              load_dout(i, dv);
-              HW_UNROLL
-              for (int k = 0; k < VEC; ++k) {
-                part[j][i][0] += dv[k] * x[k];
-                part[j][i][1] += qg[k] * x[k];
-                part[j][i][2] += x[k] * x[k];
-              }
-            }
-          }
-          if constexpr (kWarpHeads) {
-            // [a, b, ss] of row j at 3 j: the warp's sums, row j's held by lanes 16 j + ...
-            float vals[3 * R];
-            HW_UNROLL
-            for (int j = 0; j < R; ++j) {
-              HW_UNROLL
-              for (int c = 0; c < 3; ++c) vals[3 * j + c] = part[j][0][c] + part[j][1][c];
-            }
-            hw::warp_sum_scatter(vals);
-            if (hw::warp_scatter_leader<3 * R>(lane)) {
-              const int n = n0 + hw::warp_scatter_first<3 * R>(lane) / 3;
-              store_pair(s_hv + kRecord * (head[0] * num_src + n), vals[0], vals[1]);
-              s_sc[2 * (warp * num_src + n)] = vals[2];
+          if constexpr (kTensorPass1 && R == 2) {
+            float a[2], bq[2], ss[2];
+            pass1_pair_shares(n0, qg_hi, qg_lo, a, bq, ss);
+            // Row n0's sums on lane 0, row n0 + 1's on lane 4 (pair_sums).
+            const float a_sum = diagonal.pair_sums(a[0], a[1]);
+            const float b_sum = diagonal.pair_sums(bq[0], bq[1]);
+            const float s_sum = diagonal.pair_sums(ss[0], ss[1]);
+            if ((lane & ~4) == 0) {
+              const int n = n0 + (lane >> 2);
+              store_pair(s_hv + kRecord * (head[0] * num_src + n), a_sum, b_sum);
+              s_sc[2 * (warp * num_src + n)] = s_sum;
             }
           } else {
-            float ss[R];
+            // (row j, item i): a, b, ss of the thread's vector.
+            float part[R][ITEMS][3];
             HW_UNROLL
             for (int j = 0; j < R; ++j) {
-              ss[j] = part[j][0][2] + part[j][1][2];
               HW_UNROLL
               for (int i = 0; i < ITEMS; ++i) {
-                const float a = hw::warp_segment_sum(part[j][i][0], kv);
-                const float bv = hw::warp_segment_sum(part[j][i][1], kv);
-                if (first[i]) store_pair(s_hv + kRecord * (head[i] * num_src + n0 + j), a, bv);
+                part[j][i][0] = part[j][i][1] = part[j][i][2] = 0.f;
+                if (!present(i)) continue;
+                float x[VEC], qg[VEC], dv[VEC];
+                hw::unpack_to_float<T, VEC>(hw::load_pack<T, VEC>(reinterpret_cast<const T*>(slots + ((n0 + j) * ITEMS + i) * nthreads)), x);
+                load_qg(i, qg);
+                load_dout(i, dv);
+                HW_UNROLL
+                for (int k = 0; k < VEC; ++k) {
+                  part[j][i][0] += dv[k] * x[k];
+                  part[j][i][1] += qg[k] * x[k];
+                  part[j][i][2] += x[k] * x[k];
+                }
               }
             }
-            hw::warp_sum_scatter(ss);
-            hw::store_scattered_sums(ss, [&](int j, float sum) { s_sc[2 * (warp * num_src + n0 + j)] = sum; });
+            if constexpr (kWarpHeads) {
+              // [a, b, ss] of row j at 3 j: the warp's sums, row j's held by lanes 16 j + ...
+              float vals[3 * R];
+              HW_UNROLL
+              for (int j = 0; j < R; ++j) {
+                HW_UNROLL
+                for (int c = 0; c < 3; ++c) vals[3 * j + c] = part[j][0][c] + part[j][1][c];
+              }
+              hw::warp_sum_scatter(vals);
+              if (hw::warp_scatter_leader<3 * R>(lane)) {
+                const int n = n0 + hw::warp_scatter_first<3 * R>(lane) / 3;
+                store_pair(s_hv + kRecord * (head[0] * num_src + n), vals[0], vals[1]);
+                s_sc[2 * (warp * num_src + n)] = vals[2];
+              }
+            } else {
+              float ss[R];
+              HW_UNROLL
+              for (int j = 0; j < R; ++j) {
+                ss[j] = part[j][0][2] + part[j][1][2];
+                HW_UNROLL
+                for (int i = 0; i < ITEMS; ++i) {
+                  const float a = hw::warp_segment_sum(part[j][i][0], kv);
+                  const float bv = hw::warp_segment_sum(part[j][i][1], kv);
+                  if (first[i]) store_pair(s_hv + kRecord * (head[i] * num_src + n0 + j), a, bv);
+                }
+              }
+              hw::warp_sum_scatter(ss);
+              hw::store_scattered_sums(ss, [&](int j, float sum) { s_sc[2 * (warp * num_src + n0 + j)] = sum; });
+            }
           }
         });
       }
@@ -395,7 +493,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
               const float w = s_w[e];
               const Pair ab = load_pair(s_hv + kRecord * e);
               const float dl = gate * w * (ab.v[0] - s);
-              if constexpr (kTensorZ) hw::store_pack<float, 4>(s_hv + kRecord * e, rec_parts(gate * w, dl));
+              if constexpr (kTensorProducts) hw::store_pack<float, 4>(s_hv + kRecord * e, rec_parts(gate * w, dl));
               else store_pair(s_hv + kRecord * e, gate * w, dl);
               if constexpr (kWarpHeads) s_sc[2 * (warp * num_src + n) + 1] = dl * ab.v[1];
               else s_dlb[e] = dl * ab.v[1];
@@ -438,7 +536,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
         [[maybe_unused]] uint32_t dout_pairs[ITEMS][VEC / 2];
         HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
-          if constexpr (kTensorZ) {
+          if constexpr (kTensorProducts) {
             const auto v = hw::load_pack<uint32_t, VEC / 2>(reinterpret_cast<const uint32_t*>(dout_slots + i * nthreads));
             HW_UNROLL
             for (int m = 0; m < VEC / 2; ++m) dout_pairs[i][m] = v.v[m];
@@ -466,7 +564,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
           // The tensor-core products' B operands: the identity times each of gate w's
           // parts (lo first: the sum's small terms first) and dl's.
           [[maybe_unused]] uint32_t b_gw[3], b_dl[2];
-          if constexpr (kTensorZ) {
+          if constexpr (kTensorProducts) {
             const auto r = hw::load_pack<float, 4>(rec_row);
             dl[0] = r.v[2];
             const uint32_t gw01 = __float_as_uint(r.v[0]), dl01 = __float_as_uint(r.v[3]);
@@ -494,7 +592,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
             const float rdl = rr.v[0] * dl[hs];
             float y[VEC], qg[VEC];
             load_qg(i, qg);
-            if constexpr (kTensorZ) {
+            if constexpr (kTensorProducts) {
               // y = ((r dl) q g - r^3 c / d s) + gate w dout, z += dl u: the products with
               // dout and u on tensor cores, u = round(s r) as the bf16 pairs its rounding
               // makes.

@@ -150,6 +150,9 @@ __device__ StagedRowCopies<T, Present> staged_row_copies(int num_src, int nthrea
 struct DiagonalLane {
   bool odd;  // m odd
   __device__ explicit DiagonalLane(int lane) : odd(((lane >> 2) & 1) != 0) {}
+  // d[m][m] and d[8 + m][m] of one accumulator
+  __device__ float upper(const float (&d)[4]) const { return odd ? d[1] : d[0]; }
+  __device__ float lower(const float (&d)[4]) const { return odd ? d[3] : d[2]; }
   // up[m][m] + low[8 + m][m]
   __device__ float upper_lower(const float (&up)[4], const float (&low)[4]) const {
     return odd ? up[1] + low[3] : up[0] + low[2];
@@ -175,6 +178,22 @@ struct DiagonalLane {
     return v + __shfl_xor_sync(hw::kFullWarp, v, 18);
   }
 };
+
+// A thread's 8 values v (q g) as bf16 pairs hi + lo in the fragment order of its packed
+// elements (pair m: elements 2 m, 2 m + 1), hi = round(v), lo = round(v - hi): the B
+// operands of the tensor-core products with q g. hi + lo holds 16 significant bits of v:
+// all of it when q and g are bf16 (a product of two 8-bit significands), a relative 2^-17
+// of it for fp32 q, g (the SIMT products' q g is exact to 2^-24).
+template <typename T, int VEC>
+__device__ void split_pairs(const float (&v)[VEC], uint32_t (&hi)[VEC / 2], uint32_t (&lo)[VEC / 2]) {
+  HW_UNROLL
+  for (int m = 0; m < VEC / 2; ++m) {
+    float a = v[2 * m], b = v[2 * m + 1];
+    hi[m] = hw::pack_pair<T>(a, b);
+    hw::round_pair_to<T>(a, b);
+    lo[m] = hw::pack_pair<T>(v[2 * m] - a, v[2 * m + 1] - b);
+  }
+}
 
 // kWarpHeads: heads of 64 vectors (a warp each); else heads of kv <= 32 vectors (lane
 // segments of an item).
@@ -228,22 +247,11 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
     HW_UNROLL
     for (int k = 0; k < VEC; ++k) qg[i][k] *= g[k];
   }
-  // The tensor-core logits' B operands (logit_parts): q g as bf16 pairs hi + lo, the
-  // fragment order of the thread's packed u. hi + lo holds 16 significant bits of q g: all
-  // of it when q and g are bf16 (a product of two 8-bit significands), a relative 2^-17
-  // of it for fp32 q, g (the SIMT path's q g is exact to 2^-24).
+  // The tensor-core logits' B operands (logit_parts): q g as bf16 pairs hi + lo.
   uint32_t qg_hi[ITEMS][VEC / 2], qg_lo[ITEMS][VEC / 2];
   if constexpr (kTensorLogits) {
     HW_UNROLL
-    for (int i = 0; i < ITEMS; ++i) {
-      HW_UNROLL
-      for (int m = 0; m < VEC / 2; ++m) {
-        float a = qg[i][2 * m], b = qg[i][2 * m + 1];
-        qg_hi[i][m] = hw::pack_pair<T>(a, b);
-        hw::round_pair_to<T>(a, b);
-        qg_lo[i][m] = hw::pack_pair<T>(qg[i][2 * m] - a, qg[i][2 * m + 1] - b);
-      }
-    }
+    for (int i = 0; i < ITEMS; ++i) split_pairs<T>(qg[i], qg_hi[i], qg_lo[i]);
   }
   // Absent items' slots hold zeros for the kernel (no copy ever writes them), so their
   // reads need no guard.
