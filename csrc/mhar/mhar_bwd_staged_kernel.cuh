@@ -31,8 +31,9 @@
 //   - Pass 1, 2 rows at a time: a = <dout, s_n>, b = <q g, s_n> per head and the warp's
 //     sum of squares of the row, by one reduce-scatter (heads of 64 vectors) or segment
 //     sums, or for bf16 heads of 64 vectors on sm_90 and newer on tensor cores with the
-//     sums on the diagonal lanes (pass1_pair_shares); a head's first lane (a diagonal
-//     lane) keeps a, b in s_hv, the warp's squares go to s_sc.
+//     sums on the diagonal lanes (pass1_pair_shares); one lane a row (a head's first,
+//     or on tensor cores lane 0 for row n0 and lane 4 for n0 + 1) keeps a, b in s_hv,
+//     the warp's squares go to s_sc.
 //   - Head step (no barrier: the head is the warp's): S_h = sum_n w a, dl = gate w (a - S_h)
 //     by the head's lanes over n; the records {gate w, dl} replace a, b in s_hv, and the
 //     warp's sum of dl b over its heads goes to s_sc beside its squares. One barrier.
