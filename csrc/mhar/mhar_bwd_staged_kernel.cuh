@@ -30,8 +30,8 @@
 //     segment reductions, and a head's values are written and read by its warp only.
 //   - Pass 1, 2 rows at a time: a = <dout, s_n>, b = <q g, s_n> per head and the warp's
 //     sum of squares of the row, by one reduce-scatter (heads of 64 vectors) or segment
-//     sums, or for bf16 heads of 64 vectors on sm_90 and newer on tensor cores with the
-//     sums on the diagonal lanes (pass1_pair_shares); one lane a row (a head's first,
+//     sums, or for bf16 heads of 64 vectors and bf16 grad_sources on tensor cores with
+//     the sums on the diagonal lanes (pass1_pair_shares); one lane a row (a head's first,
 //     or on tensor cores lane 0 for row n0 and lane 4 for n0 + 1) keeps a, b in s_hv,
 //     the warp's squares go to s_sc.
 //   - Head step (no barrier: the head is the warp's): S_h = sum_n w a, dl = gate w (a - S_h)
@@ -82,8 +82,8 @@ __host__ __device__ inline int64_t bwd_staged_smem_bytes(int64_t n, int64_t head
   return bwd_staged_rows_offset(n, heads, record) * 4 + (n + 3) * kStagedItems * threads * 16;
 }
 
-// Whether the device code being compiled takes pass 1's and pass 2's products on tensor
-// cores (kTensorProducts below): sm_90 and newer, and the emulator.
+// Whether the device code being compiled takes pass 2's products on tensor cores
+// (kTensorProducts below): sm_90 and newer, and the emulator.
 #if HW_SIM || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 constexpr bool kBwdTensorProductsArch = true;
 #else
@@ -102,17 +102,17 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   static_assert(GR == 2, "a group: 2 rows, a commit group and one reduce-scatter");
   using PackT = hw::Pack<T, VEC>;
   static_assert(sizeof(PackT) == 16, "a vector is one 16-byte copy");
-  // Pass 1's dot products (pass1_pair_shares) and pass 2's products gate w dout and dl u (see
-  // identity_select) on tensor cores for bf16 heads of 64 vectors on sm_90 and newer;
-  // fp16's parts would lose range, heads of lane segments have scalars per segment where
-  // the identity's B takes one a warp, and on sm_80 the kernel spilled 8-16 bytes at its
-  // 128-register cap: these keep the SIMT form.
+  // Pass 2's products gate w dout and dl u on tensor cores (see identity_select) for bf16
+  // heads of 64 vectors on sm_90 and newer; fp16's parts would lose range, heads of lane
+  // segments have scalars per segment where the identity's B takes one a warp, and on
+  // sm_80 the kernel spilled 8-16 bytes at its 128-register cap: these keep the SIMT form.
   constexpr bool kTensorProducts =
       kWarpHeads && std::is_same<T, c10::BFloat16>::value && kBwdTensorProductsArch && !kSimtProducts;
-  // Pass 1's on tensor cores where grad_sources is T; the DepthBuffer's fp32 form keeps
-  // the SIMT sums (with the tiles' lane addresses it spilled 8 bytes at the 128-register
-  // cap on sm_90).
-  constexpr bool kTensorPass1 = kTensorProducts && std::is_same<G, T>::value;
+  // Pass 1's dot products on tensor cores (pass1_pair_shares) for bf16 heads of 64 vectors
+  // where grad_sources is T, on every arch (sm_80 too: 128 registers, no spill); the
+  // DepthBuffer's fp32 form keeps the SIMT sums (with the tiles' lane addresses it spilled
+  // 8 bytes at the 128-register cap on sm_90).
+  constexpr bool kTensorPass1 = kWarpHeads && std::is_same<T, c10::BFloat16>::value && std::is_same<G, T>::value;
   constexpr int kRecord = bwd_record_floats<T, kWarpHeads>();
   static_assert(!kTensorProducts || kRecord == 4, "the tensor-core products' parts fill a 16-byte record");
 

@@ -102,9 +102,8 @@ def test_staged_backward_into_stores_then_accumulates(kernel_backend, n, b, t, d
     ds, gq_ref, gg_ref, _ = lib.mhar_route_backward(grad_out, sources, query, norm_weight, weights, None, h, n, EPS)
     assert torch.equal(buf[n:], torch.full_like(buf[n:], 7.0))
     if d // h == 512:
-        # bf16 heads of 64 vectors: the plain backward takes pass 1's sums on tensor cores
-        # (sm_90 and the emulator), the fp32 buffer's form the SIMT sums, so the two agree to
-        # those sums' rounding.
+        # bf16 heads of 64 vectors: the plain backward takes pass 1's sums on tensor cores,
+        # the fp32 buffer's form the SIMT sums, so the two agree to those sums' rounding.
         assert (buf[:n].to(torch.bfloat16).float() - ds[:n].float()).abs().max() <= 2 ** -8 * ds.float().abs().max()
         assert rel_err(gq, gq_ref) <= 2e-5 and rel_err(gg, gg_ref) <= 2e-5
     else:
@@ -219,6 +218,8 @@ def test_staged_backward_memory_metrics(profile_ops):
 def test_sm80_simt_products_match_unstaged_and_cpu(profile_ops, monkeypatch, n, b, t, d, h, gate_value):
     # bf16 heads of 64 vectors: sm_80 compiles pass 2's products in the SIMT form, the
     # emulator (like sm_90) the tensor-core form unless HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS=1.
+    # Both take pass 1's 2-row groups on tensor cores: a warp's group 28 mma, pass 2's
+    # tensor-core form 20 a row.
     args = backward_inputs(n, b, t, d, h, torch.bfloat16, "cpu")
     gate = None if gate_value is None else torch.tensor(gate_value)
     run = lambda: backward(profile_ops, *args, h, gate=gate)
@@ -226,7 +227,9 @@ def test_sm80_simt_products_match_unstaged_and_cpu(profile_ops, monkeypatch, n, 
     monkeypatch.setenv("HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS", "1")
     got, simt_form = profiled_launches(run)
     assert tensor_form[0]["kernel"] == simt_form[0]["kernel"] == "mhar_route_bwd_staged"
-    assert tensor_form[0]["mma"] > 0 and simt_form[0]["mma"] == 0
+    warp_positions = b * t * (d // 512)
+    assert simt_form[0]["mma"] == warp_positions * (n // 2) * 28
+    assert tensor_form[0]["mma"] == warp_positions * ((n // 2) * 28 + n * 20)
     # Into a DepthBuffer's fp32 rows (G = float), stored then accumulated.
     buf = torch.zeros(n, b, t, d)
     gq, gg = profile_ops.mhar_route_backward_into(*args, buf, h, n, EPS, False)
@@ -247,7 +250,7 @@ def test_sm80_simt_products_match_unstaged_and_cpu(profile_ops, monkeypatch, n, 
                          ids=["N9-kv64", "N4-d4096-H8", "N33-d512-H1"])
 def test_tensor_core_pass1_matches_unstaged(kernel_backend, monkeypatch, n, b, t, d, h):
     # bf16 heads of 64 vectors with bf16 grad_sources: pass 1's a, b and sums of squares of
-    # each 2-row group on tensor cores (an odd N's last row in the SIMT form), q g as two
+    # each 2-row group on tensor cores on every arch (an odd N's last row in the SIMT form), q g as two
     # bf16 parts (fp32 query and norm weight here: 16 of q g's 24 bits). The gradients stay
     # within bf16 rounding of mhar_route_bwd_kernel's, the parameters' within fp32 sums.
     args = backward_inputs(n, b, t, d, h, torch.bfloat16, kernel_backend.device)
@@ -263,7 +266,8 @@ def test_tensor_core_pass1_matches_unstaged(kernel_backend, monkeypatch, n, b, t
 
 def test_tensor_core_pass1_runs_where_grad_sources_is_bf16(profile_ops):
     # A warp's 2-row group takes 12 m16n8k16 and 16 m16n8k8 in pass 1 (pass1_pair_shares),
-    # a row 20 m16n8k8 in pass 2; into a DepthBuffer's fp32 rows pass 1 keeps the SIMT sums.
+    # a row 20 m16n8k8 in pass 2 (sm_90's form); into a DepthBuffer's fp32 rows pass 1 keeps
+    # the SIMT sums.
     n, b, t, d, h = 9, 1, 3, 1024, 2
     args = backward_inputs(n, b, t, d, h, torch.bfloat16, "cpu")
     _, bf16_out = profiled_launches(lambda: backward(profile_ops, *args, h))
