@@ -64,7 +64,7 @@ namespace mhar {
 
 // Floats a (h, n) record of s_hv takes: 4 (16 bytes, one LDS.128 in pass 2) for bf16
 // heads of 64 vectors, whose records hold the parts of pass 2's tensor-core products
-// (kTensorProducts; also on sm_80, which keeps the SIMT form: the launcher's size does not
+// (kTensorPass2; also on sm_80, which keeps the SIMT form: the launcher's size does not
 // depend on the arch), else 2 (mhar_kernel.cuh's kBwdRecordFloats is the other kernel's).
 template <typename T, bool kWarpHeads>
 constexpr int bwd_record_floats() {
@@ -83,7 +83,7 @@ __host__ __device__ inline int64_t bwd_staged_smem_bytes(int64_t n, int64_t head
 }
 
 // Whether the device code being compiled takes pass 2's products on tensor cores
-// (kTensorProducts below): sm_90 and newer, and the emulator.
+// (kTensorPass2 below): sm_90 and newer, and the emulator.
 #if HW_SIM || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 constexpr bool kBwdTensorProductsArch = true;
 #else
@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   // heads of 64 vectors on sm_90 and newer; fp16's parts would lose range, heads of lane
   // segments have scalars per segment where the identity's B takes one a warp, and on
   // sm_80 the kernel spilled 8-16 bytes at its 128-register cap: these keep the SIMT form.
-  constexpr bool kTensorProducts =
+  constexpr bool kTensorPass2 =
       kWarpHeads && std::is_same<T, c10::BFloat16>::value && kBwdTensorProductsArch && !kSimtProducts;
   // Pass 1's dot products on tensor cores (pass1_pair_shares) for bf16 heads of 64 vectors
   // where grad_sources is T, on every arch (sm_80 too: 128 registers, no spill); the
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   // 8 bytes at the 128-register cap on sm_90).
   constexpr bool kTensorPass1 = kWarpHeads && std::is_same<T, c10::BFloat16>::value && std::is_same<G, T>::value;
   constexpr int kRecord = bwd_record_floats<T, kWarpHeads>();
-  static_assert(!kTensorProducts || kRecord == 4, "the tensor-core products' parts fill a 16-byte record");
+  static_assert(!kTensorPass2 || kRecord == 4, "the tensor-core products' parts fill a 16-byte record");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nthreads = blockDim.x, nwarps = nthreads >> 5;
@@ -246,19 +246,19 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
   const PackT* const tile_rows =
       slots - lane + ((lane & 7) | ((lane >> 1) & 8)) + ((lane >> 3) & 1) * ITEMS * nthreads;
   const PackT* const tile_dout = dout_slots - lane + (lane & 15);  // (x2: lanes 0-15's addresses)
-  // q g of a tile as B: lane (g, t)'s pair t of vectors +g and +8 + g as bf16 parts hi, lo.
+  // q g of a tile as B: lane (g, t)'s pair t of vectors +g (c = 0) and +8 + g (c = 1) as
+  // bf16 parts hi, lo.
   auto tile_qg_parts = [&](int k, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
     const int g = lane >> 2, t = lane & 3;
+    float qg[4];
     HW_UNROLL
     for (int c = 0; c < 2; ++c) {
       const PackF* const slot = qg_slots - lane + (2 * (k >> 1) + (t >> 1)) * nthreads + 16 * (k & 1) + 8 * c + g;
       const auto v = hw::load_pack<float, 2>(reinterpret_cast<const float*>(slot) + 2 * (t & 1));
-      const float pair[2] = {v.v[0], v.v[1]};
-      uint32_t h1[1], l1[1];
-      split_pairs<T>(pair, h1, l1);
-      hi[c] = h1[0];
-      lo[c] = l1[0];
+      qg[2 * c] = v.v[0];
+      qg[2 * c + 1] = v.v[1];
     }
+    split_pairs<T>(qg, hi, lo);
   };
   auto pass1_pair_shares = [&](int n0, const auto& qg_hi, const auto& qg_lo, float (&a)[2], float (&bq)[2], float (&ss)[2]) {
     float d_a[4] = {}, d_b[4] = {}, d_s[2][4] = {};
@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
     ss[1] = diagonal.lower(d_s[1]);
   };
 
-  // Pass 2's products with a per-row scalar on tensor cores (kTensorProducts; the scalar is the
+  // Pass 2's products with a per-row scalar on tensor cores (kTensorPass2; the scalar is the
   // warp's: a head of 64 vectors): gate w dout and dl u, the vectors as the bf16 pairs
   // they are held in (dout as copied, u as its rounding makes it). An m16n8k8 with A = a
   // lane's 2 pairs (A's rows g and 8 + g, columns 2t, 2t + 1) and B = v I gives
@@ -494,7 +494,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
               const float w = s_w[e];
               const Pair ab = load_pair(s_hv + kRecord * e);
               const float dl = gate * w * (ab.v[0] - s);
-              if constexpr (kTensorProducts) hw::store_pack<float, 4>(s_hv + kRecord * e, rec_parts(gate * w, dl));
+              if constexpr (kTensorPass2) hw::store_pack<float, 4>(s_hv + kRecord * e, rec_parts(gate * w, dl));
               else store_pair(s_hv + kRecord * e, gate * w, dl);
               if constexpr (kWarpHeads) s_sc[2 * (warp * num_src + n) + 1] = dl * ab.v[1];
               else s_dlb[e] = dl * ab.v[1];
@@ -537,7 +537,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
         [[maybe_unused]] uint32_t dout_pairs[ITEMS][VEC / 2];
         HW_UNROLL
         for (int i = 0; i < ITEMS; ++i) {
-          if constexpr (kTensorProducts) {
+          if constexpr (kTensorPass2) {
             const auto v = hw::load_pack<uint32_t, VEC / 2>(reinterpret_cast<const uint32_t*>(dout_slots + i * nthreads));
             HW_UNROLL
             for (int m = 0; m < VEC / 2; ++m) dout_pairs[i][m] = v.v[m];
@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
           // The tensor-core products' B operands: the identity times each of gate w's
           // parts (lo first: the sum's small terms first) and dl's.
           [[maybe_unused]] uint32_t b_gw[3], b_dl[2];
-          if constexpr (kTensorProducts) {
+          if constexpr (kTensorPass2) {
             const auto r = hw::load_pack<float, 4>(rec_row);
             dl[0] = r.v[2];
             const uint32_t gw01 = __float_as_uint(r.v[0]), dl01 = __float_as_uint(r.v[3]);
@@ -593,7 +593,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
             const float rdl = rr.v[0] * dl[hs];
             float y[VEC], qg[VEC];
             load_qg(i, qg);
-            if constexpr (kTensorProducts) {
+            if constexpr (kTensorPass2) {
               // y = ((r dl) q g - r^3 c / d s) + gate w dout, z += dl u: the products with
               // dout and u on tensor cores, u = round(s r) as the bf16 pairs its rounding
               // makes.

@@ -250,9 +250,10 @@ def test_sm80_simt_products_match_unstaged_and_cpu(profile_ops, monkeypatch, n, 
                          ids=["N9-kv64", "N4-d4096-H8", "N33-d512-H1"])
 def test_tensor_core_pass1_matches_unstaged(kernel_backend, monkeypatch, n, b, t, d, h):
     # bf16 heads of 64 vectors with bf16 grad_sources: pass 1's a, b and sums of squares of
-    # each 2-row group on tensor cores on every arch (an odd N's last row in the SIMT form), q g as two
-    # bf16 parts (fp32 query and norm weight here: 16 of q g's 24 bits). The gradients stay
-    # within bf16 rounding of mhar_route_bwd_kernel's, the parameters' within fp32 sums.
+    # each 2-row group on tensor cores on every arch (an odd N's last row in the SIMT form),
+    # q g as two bf16 parts (fp32 query and norm weight here: 16 of q g's 24 bits). The
+    # gradients stay within bf16 rounding of mhar_route_bwd_kernel's, the parameters'
+    # within fp32 sums.
     args = backward_inputs(n, b, t, d, h, torch.bfloat16, kernel_backend.device)
     lib = ops_of(kernel_backend)
     got = [x.cpu() for x in backward(lib, *args, h) if x is not None]
