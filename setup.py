@@ -165,8 +165,9 @@ def extensions():
         # UB aborts (no recovery), so a sanitizer finding fails the test run.
         sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
         # -fno-var-tracking-assignments: the unrolled emulated kernels exceed GCC's variable
-        # tracking limit, and GCC then tracks them twice (mhar_sim.cpp: 307 s with the flag,
-        # over 10 min without, ~30 min in a CI run); the reports keep their file:line.
+        # tracking limit, and GCC then tracks them twice (the MHAR emulated kernels, then one
+        # file: 307 s with the flag, over 10 min without, ~30 min in a CI run); the reports
+        # keep their file:line.
         cxx = [f for f in cxx if f != "-O3"] + ["-O1", "-g", "-fno-var-tracking-assignments"] + sanitize
         openmp_link = openmp_link + sanitize
     cpu_sources = ["csrc/registration.cpp"] + _sources("*/*_cpu.cpp")

@@ -763,31 +763,10 @@ __global__ void __launch_bounds__(kComposeThreads) dcmha_compose_bwd(const Compo
 // grad of slot c [B, T, 4, ...] = sum over k < parts (ascending) of partials[k, b * T + t, :].
 // One thread per (b * T + t, field element); grid ceil(B T 5H / 256), 256 threads.
 constexpr int kReduceThreads = 256;
+// Defined in dcmha_compose_reduce_kernel.cuh (one translation unit).
 __global__ void __launch_bounds__(kReduceThreads) dcmha_compose_reduce_partials(const ComposeParams p,
                                                                                 const float* partials, int parts,
-                                                                                int c) {
-  const int H = p.H, len = kGradFields * H;
-  const int64_t rows = static_cast<int64_t>(p.B) * p.T;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= rows * len) return;
-  const int64_t bt = i / len;
-  const int j = static_cast<int>(i - bt * len);
-  // Ascending k; 8 independent loads in flight per thread.
-  constexpr int kBatch = 8;
-  float sum = 0.f;
-  for (int k0 = 0; k0 < parts; k0 += kBatch) {
-    float v[kBatch];
-    HW_UNROLL
-    for (int j = 0; j < kBatch; ++j) v[j] = k0 + j < parts ? partials[(k0 + j) * rows * len + i] : 0.f;
-    HW_UNROLL
-    for (int j = 0; j < kBatch; ++j)
-      if (k0 + j < parts) sum += v[j];
-  }
-  const int64_t wo = (bt * 4 + c) * kR * H, go = (bt * 4 + c) * H;
-  if (j < H) p.dg[go + j] = sum;
-  else if (j < 3 * H) p.dw1[wo + j - H] = sum;
-  else p.dw2[wo + j - 3 * H] = sum;
-}
+                                                                                int c);
 
 }  // namespace dcmha
 }  // namespace headwise

@@ -334,13 +334,14 @@ def dcformer_floor_ms(batch: int = 8, heads: int = 32, seq: int = 4096, dh: int 
 
 def library_ms(batch: int = 8, heads: int = 32, seq: int = 4096, groups: int = 1, rank: int = 2, elem: int = 2,
                backward_chunk: int = BACKWARD_CHUNK, hbm_bytes_per_s: float = 4.1e12) -> dict[str, float]:
-    """HBM time of the ATen ops around the DCMHA tensor-core kernels (dcmha_launch.h), which
-    the emulator's profile does not see: per call the weights (w1, w2 [B, T, 4, R, H], g
-    [B, T, 4, H] in the inputs' dtype, `elem` bytes) read and written as fp32; the backward
-    also fills the weights table's M and 1 / Z planes from the statistics, zeroes its
-    scratch (B G 8 chunk T words) and grads table (B H 20 T fp32), and converts the fp32
-    weight grads to the weights' dtype. (dk, dv need no zero-fill and no conversion pass:
-    the key kernel stores the first chunk's share and writes the last in q's dtype.)"""
+    """HBM time of the ATen ops around the DCMHA tensor-core kernels (dcmha_attention_launch.h,
+    dcmha_attention_backward_launch.h), which the emulator's profile does not see: per call
+    the weights (w1, w2 [B, T, 4, R, H], g [B, T, 4, H] in the inputs' dtype, `elem` bytes)
+    read and written as fp32; the backward also fills the weights table's M and 1 / Z
+    planes from the statistics, zeroes its scratch (B G 8 chunk T words) and grads table
+    (B H 20 T fp32), and converts the fp32 weight grads to the weights' dtype. (dk, dv need
+    no zero-fill and no conversion pass: the key kernel stores the first chunk's share and
+    writes the last in q's dtype.)"""
     weights = batch * seq * (2 * 4 * rank * heads + 4 * heads)
     to_fp32 = weights * (elem + 4)
     stats = 2 * batch * heads * seq * 4 * 2

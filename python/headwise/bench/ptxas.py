@@ -178,11 +178,14 @@ def _write_per_arch(text: str, command: str, directory: str) -> list[str]:
     paths = []
     for sm in sorted({r.arch for r in parse(text)}):
         # Each entry's block: its entry line and what follows up to the next entry.
-        body, keep = [], False
+        # A template kernel instantiated by two translation units of a family (e.g. the fp32
+        # MHAR backward of both backward entries) is compiled twice: reported once.
+        body, keep, seen = [], False, set()
         for line in text.splitlines():
             m = _ENTRY.search(line)
             if m:
-                keep = m.group(2) == sm
+                keep = m.group(2) == sm and m.group(1) not in seen
+                seen.add(m.group(1))
             if keep:
                 body.append(line)
         paths.append(_write(sm[3:], "\n".join(body) + "\n", command, directory))

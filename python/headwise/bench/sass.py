@@ -2,8 +2,8 @@
 how many instructions a warp issues per mma.sync (HMMA) in one steady-state iteration.
 
     python -m headwise.bench.sass --family merge [--family F ...] [--arch 90] [--kernel REGEX]
-        compiles csrc/<family>/*_cuda.cu to a cubin for sm_<arch> with setup.py's flags
-        (the same nvcc command as headwise.bench.ptxas), disassembles it with cuobjdump
+        compiles csrc/<family>/*_cuda.cu to cubins for sm_<arch> with setup.py's flags
+        (the same nvcc command as headwise.bench.ptxas), disassembles them with cuobjdump
         (CUDA's, or the `nvidia-cuda-cuobjdump` wheel's) and prints, per kernel whose
         demangled name matches REGEX, its hot loops (a backward branch and the addresses
         it spans) with the instruction classes of one steady iteration.
@@ -252,16 +252,33 @@ def find_cuobjdump() -> str:
     sys.exit("headwise.bench.sass: cuobjdump not found (CUDA's bin, or `pip install nvidia-cuda-cuobjdump`)")
 
 
-def compile_cubin(family: str, arch: str, out: str) -> None:
-    """csrc/<family>/<family>_cuda.cu -> cubin for sm_<arch>, with headwise.bench.ptxas's flags."""
+def compile_cubins(family: str, arch: str, out_dir: str) -> list[str]:
+    """csrc/<family>/*_cuda.cu (one translation unit per entry) -> one cubin each for
+    sm_<arch> in out_dir (<source>_sm<arch>.cubin), with headwise.bench.ptxas's flags."""
     sources = [s for s in ptxas.cuda_sources() if os.path.basename(os.path.dirname(s)) == family]
-    if len(sources) != 1:
-        sys.exit(f"headwise.bench.sass: expected one csrc/{family}/*_cuda.cu, found {sources}")
-    nvcc, flags = ptxas.nvcc_command([arch], ["-cubin", "-o", out])
-    print(f"nvcc sm_{arch} -cubin {os.path.relpath(sources[0], ptxas.REPO)}", flush=True)
-    run = subprocess.run([nvcc, *flags, sources[0]], capture_output=True, text=True)
-    if run.returncode != 0:
-        sys.exit(f"headwise.bench.sass: nvcc failed:\n{run.stderr[-4000:]}")
+    if not sources:
+        sys.exit(f"headwise.bench.sass: no csrc/{family}/*_cuda.cu")
+    cubins = []
+    for source in sources:
+        out = os.path.join(out_dir, f"{os.path.splitext(os.path.basename(source))[0]}_sm{arch}.cubin")
+        nvcc, flags = ptxas.nvcc_command([arch], ["-cubin", "-o", out])
+        print(f"nvcc sm_{arch} -cubin {os.path.relpath(source, ptxas.REPO)}", flush=True)
+        run = subprocess.run([nvcc, *flags, source], capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit(f"headwise.bench.sass: nvcc failed on {source}:\n{run.stderr[-4000:]}")
+        cubins.append(out)
+    return cubins
+
+
+def unique_functions(funcs: list[Function]) -> list[Function]:
+    """funcs without repeats: a template kernel instantiated by two translation units of a
+    family (e.g. the fp32 MHAR backward of both backward entries) is the same SASS."""
+    seen, out = set(), []
+    for f in funcs:
+        if f.name not in seen:
+            seen.add(f.name)
+            out.append(f)
+    return out
 
 
 def disassemble(cubin: str) -> list[Function]:
@@ -363,7 +380,7 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default="90")
     p.add_argument("--kernel", help="regex on the demangled kernel name")
     p.add_argument("--all-loops", action="store_true", help="every loop, not only the hot ones")
-    p.add_argument("--keep", metavar="CUBIN", help="keep the compiled cubin here (one family)")
+    p.add_argument("--keep", metavar="DIR", help="keep the compiled cubins in DIR (<source>_sm<arch>.cubin)")
     p.add_argument("--out-dir", help="write the families' HMMA loops into OUT_DIR/sass_sm<arch>.txt "
                    "(what the emulator's estimate reads: --out-dir bench)")
     args = p.parse_args(argv)
@@ -374,10 +391,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.cubin:
             funcs = disassemble(args.cubin)
+        if args.keep:
+            os.makedirs(args.keep, exist_ok=True)
         for fam in args.family or []:
-            cubin = args.keep or os.path.join(tmp, f"{fam}_sm{args.arch}.cubin")
-            compile_cubin(fam, args.arch, cubin)
-            funcs += disassemble(cubin)
+            for cubin in compile_cubins(fam, args.arch, args.keep or tmp):
+                funcs += disassemble(cubin)
+    funcs = unique_functions(funcs)
     print(report(funcs, args.kernel, args.all_loops))
     if args.out_dir and args.family:
         print(f"wrote {write(issue_reports(funcs), args.family, args.arch, command, args.out_dir)}")
