@@ -1,6 +1,8 @@
 """The H200 estimate model of headwise.bench.sim_profile and the ptxas report parser, on
 hand-made inputs (the emulated counts themselves: tests/simt/test_sim_profile.py)."""
 
+import os
+
 import pytest
 
 from headwise.bench import ptxas
@@ -41,6 +43,27 @@ def test_ptxas_parse_and_lookup():
     assert ptxas.lookup(reports, "mhar_route_fwd", "float32").registers == 64
     assert ptxas.lookup(reports, "mhar_param_grad_reduce", "bfloat16").registers == 30
     assert ptxas.lookup(reports, "head_merge_bwd_dz", "bfloat16") is None
+
+
+def test_ptxas_report_per_arch_lists_a_kernel_of_two_units_once(tmp_path):
+    # The log of a build whose two translation units both compiled one template kernel, each
+    # for sm_80 then sm_90 (nvcc's order per unit): one entry per kernel and arch, every arch kept.
+    entry = ("ptxas info    : Compiling entry function '{fn}' for '{sm}'\n"
+             "ptxas info    : Function properties for {fn}\n"
+             "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+             "ptxas info    : Used {regs} registers, used 1 barriers, 400 bytes cmem[0]\n")
+    shared = "void headwise::mhar::mhar_route_bwd_kernel<float, float, 8, 2, 1, true, 0>(headwise::mhar::BwdParams)"
+    own = ["void headwise::mhar::mhar_route_fwd_kernel<float, 8, 2, 1>(headwise::mhar::FwdParams)",
+           "headwise::mhar::mhar_param_grad_reduce_kernel(const float *, int)"]
+    log = "".join(entry.format(fn=fn, sm=sm, regs=regs)
+                  for unit in range(2) for sm, regs in (("sm_80", 80), ("sm_90", 90))
+                  for fn in (shared, own[unit]))
+    paths = ptxas._write_per_arch(log, "test", str(tmp_path))
+    assert sorted(os.path.basename(p) for p in paths) == ["ptxas_sm80.txt", "ptxas_sm90.txt"]
+    for arch, regs in (("80", 80), ("90", 90)):
+        reports = ptxas.load(arch, str(tmp_path))
+        assert [r.function for r in reports] == [shared, own[0], own[1]]
+        assert {r.arch for r in reports} == {f"sm_{arch}"} and {r.registers for r in reports} == {regs}
 
 
 def test_ctas_per_sm():

@@ -185,7 +185,8 @@ def _write_per_arch(text: str, command: str, directory: str) -> list[str]:
             m = _ENTRY.search(line)
             if m:
                 keep = m.group(2) == sm and m.group(1) not in seen
-                seen.add(m.group(1))
+                if keep:
+                    seen.add(m.group(1))
             if keep:
                 body.append(line)
         paths.append(_write(sm[3:], "\n".join(body) + "\n", command, directory))
