@@ -162,10 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     int64_t head_groups) {
   HW_OP_RANGE("headwise::dcmha_attention_backward");
   const AttnShape s = check_attention_args(q, k, v, w1, w2, g, window, head_groups);
-  TORCH_CHECK(on_backend_device(q), "headwise.dcmha_attention_backward: q is on ", q.device(), " but ", kBackendDevice);
-  dispatch_storage_dtype(q.scalar_type(), "dcmha_attention_backward", "q", [](auto) {});
-  TORCH_CHECK_VALUE(s.heads <= kMaxHeads, "headwise.dcmha_attention_backward: H = ", s.heads,
-                    " exceeds the most heads of the CUDA attention kernel (", kMaxHeads, ")");
+  check_attention_backend(q, s, "dcmha_attention_backward");
   TORCH_CHECK_VALUE(grad_out.dim() == 4 && grad_out.size(0) == s.batch && grad_out.size(1) == s.heads &&
                         grad_out.size(2) == s.seq && grad_out.size(3) == s.v_dim,
                     "headwise.dcmha_attention_backward: grad_out must be [B, H, T, dv], got ", shape_str(grad_out));

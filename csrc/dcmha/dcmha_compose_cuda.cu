@@ -1,2 +1,2 @@
-// CUDA backend of the compose ops: dcmha_compose_launch.h compiled by nvcc.
+// CUDA backend of the compose forward: dcmha_compose_launch.h compiled by nvcc.
 #include "dcmha_compose_launch.h"

@@ -1,7 +1,7 @@
 // Definition of dcmha_compose_reduce_partials, declared and described in dcmha_kernel.cuh
-// (the compose backward's second kernel). Included by the compose entries' translation
-// unit only (dcmha_compose_launch.h): it takes no template argument, so every translation
-// unit that defined it would define the same symbol.
+// (the compose backward's second kernel). Included by the compose_backward entry's
+// translation unit only (dcmha_compose_backward_launch.h): it takes no template argument, so
+// every translation unit that defined it would define the same symbol.
 #pragma once
 
 #include "dcmha_kernel.cuh"

@@ -1,11 +1,10 @@
 // Host side of the DCMHA kernels shared by the backend entries of dcmha_ops.h: checks,
-// parameters, shared-memory layouts, query chunks and scratch. Each entry group is in a
-// header of its own (dcmha_compose_launch.h: compose and compose_backward;
-// dcmha_attention_launch.h: attention; dcmha_attention_backward_launch.h:
-// attention_backward), compiled once as the CUDA backend (<header>_cuda.cu, nvcc) and once
-// as the emulated backend (<header>_sim.cpp, host compiler against the SIMT emulator), so
-// both run the same launch logic; one translation unit a group keeps each compile short
-// (the attention backward's kernels took most of one file's compile).
+// parameters, shared-memory layouts, query chunks and scratch. Each entry is in a header of
+// its own (dcmha_compose_launch.h, dcmha_compose_backward_launch.h, dcmha_attention_launch.h,
+// dcmha_attention_backward_launch.h), compiled once as the CUDA backend (<header>_cuda.cu,
+// nvcc) and once as the emulated backend (<header>_sim.cpp, host compiler against the SIMT
+// emulator), so both run the same launch logic; one translation unit an entry keeps each
+// compile short (the attention backward's kernels took most of one file's compile).
 #pragma once
 
 #include "../common/backend_device.h"
@@ -38,11 +37,20 @@ namespace {
 using hw::kBackendDevice;
 using hw::on_backend_device;
 
-inline void check_backend(const at::Tensor& a, const Shape& s, const char* op) {
+// The backend's device, a storage dtype and at most kMaxHeads heads: for the compose entries
+// (a) and for the attention entries (q).
+inline void check_compose_backend(const at::Tensor& a, const Shape& s, const char* op) {
   TORCH_CHECK(on_backend_device(a), "headwise.", op, ": a is on ", a.device(), " but ", kBackendDevice);
   dispatch_storage_dtype(a.scalar_type(), op, "a", [](auto) {});
   TORCH_CHECK_VALUE(s.heads <= kMaxHeads, "headwise.", op, ": H = ", s.heads,
                     " exceeds the most heads of the CUDA compose kernel (", kMaxHeads, ")");
+}
+
+inline void check_attention_backend(const at::Tensor& q, const AttnShape& s, const char* op) {
+  TORCH_CHECK(on_backend_device(q), "headwise.", op, ": q is on ", q.device(), " but ", kBackendDevice);
+  dispatch_storage_dtype(q.scalar_type(), op, "q", [](auto) {});
+  TORCH_CHECK_VALUE(s.heads <= kMaxHeads, "headwise.", op, ": H = ", s.heads,
+                    " exceeds the most heads of the CUDA attention kernel (", kMaxHeads, ")");
 }
 
 // The fields the compose and the attention parameters share: the fp32 weights w1, w2, g and
