@@ -119,16 +119,9 @@ def test_sim_refuses_launches_cuda_cannot_make():
 
 # The bf16 / fp16 forward runs on the tensor-core kernels (dcmha_attention_mma_kernel.cuh):
 # odd T, dh / dv not multiples of 16 (padded in the kernel) or of 8 (no 16-byte copies),
-# head groups, windows, causal off, several query and key tiles.
-MMA_CASES = [
-    (1, 2, 3, 4, 4, {}),
-    (2, 4, 5, 8, 6, {}),
-    (1, 8, 37, 16, 16, {}),
-    (1, 16, 37, 8, 8, dict(head_groups=4)),
-    (1, 32, 5, 4, 4, {}),
-    (1, 3, 123, 16, 8, dict(window=70)),
-    (1, 4, 150, 8, 8, {}),
-    (1, 4, 37, 8, 8, dict(causal=False, window=5)),
+# head groups, windows, causal off, several query and key tiles: the SIMT kernels' cases
+# and more.
+MMA_CASES = CASES + [
     (1, 4, 70, 64, 64, {}),
     (1, 2, 67, 37, 5, dict(causal=False)),
     (1, 2, 130, 24, 40, dict(window=1)),

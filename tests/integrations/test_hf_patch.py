@@ -30,6 +30,21 @@ def loss_and_grads(model, tokens):
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_patch_matches_the_original(model, ops):
+    """Patching model's two layers keeps its logits and gradients on a fixed batch (within
+    TOL); unpatching restores its logits bitwise."""
+    tokens = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    logits, grads = loss_and_grads(model, tokens)
+    assert patch_hf_attention(model, ops=ops) == 2
+    patched_logits, patched_grads = loss_and_grads(model, tokens)
+    assert rel_err(patched_logits, logits) <= TOL
+    assert patched_grads.keys() == grads.keys()
+    for name in grads:
+        assert rel_err(patched_grads[name], grads[name]) <= TOL, name
+    assert unpatch_hf_attention(model) == 2
+    assert torch.equal(loss_and_grads(model, tokens)[0], logits)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("bias", [False, True])
@@ -39,16 +54,7 @@ def test_patched_model_matches_the_original(host_backend, kind, impl, bias):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    tokens = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
-    logits, grads = loss_and_grads(model, tokens)
-    assert patch_hf_attention(model, ops=host_backend) == 2
-    patched_logits, patched_grads = loss_and_grads(model, tokens)
-    assert rel_err(patched_logits, logits) <= TOL
-    assert patched_grads.keys() == grads.keys()
-    for name in grads:
-        assert rel_err(patched_grads[name], grads[name]) <= TOL, name
-    assert unpatch_hf_attention(model) == 2
-    assert torch.equal(loss_and_grads(model, tokens)[0], logits)
+    assert_patch_matches_the_original(model, host_backend)
 
 
 def test_patched_model_generates_with_a_cache():
@@ -142,13 +148,4 @@ def tiny_neox(attn_implementation, rotary_pct=0.25, bias=True):
 def test_patched_neox_matches_the_original(host_backend, impl, rotary_pct, bias):
     model = tiny_neox(impl, rotary_pct, bias)
     assert model.gpt_neox.layers[0].attention.rotary_ndims == int(16 * rotary_pct)
-    tokens = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
-    logits, grads = loss_and_grads(model, tokens)
-    assert patch_hf_attention(model, ops=host_backend) == 2
-    patched_logits, patched_grads = loss_and_grads(model, tokens)
-    assert rel_err(patched_logits, logits) <= TOL
-    assert patched_grads.keys() == grads.keys()
-    for name in grads:
-        assert rel_err(patched_grads[name], grads[name]) <= TOL, name
-    assert unpatch_hf_attention(model) == 2
-    assert torch.equal(loss_and_grads(model, tokens)[0], logits)
+    assert_patch_matches_the_original(model, host_backend)
