@@ -73,6 +73,25 @@ inline Gate make_gate(const at::Tensor& gate32, const Shape& s, bool rescale) {
 
 inline unsigned cdiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
+// The operands every merge kernel's parameter struct (FwdParams, BwdParams, tc::TcFwdParams)
+// carries: Z's storage and strides [B, H, Q, Dv], the weight's (w, row stride ldw), the
+// gate's view and the shape.
+template <typename Params>
+void set_operands(Params& p, const at::Tensor& z, const void* w, int64_t ldw, const Gate& gate, const Shape& s) {
+  p.z = z.data_ptr();
+  p.z_sb = z.stride(0);
+  p.z_sh = z.stride(1);
+  p.z_sq = z.stride(2);
+  p.w = w;
+  p.ldw = ldw;
+  p.gate = gate;
+  p.batch = s.batch;
+  p.heads = s.heads;
+  p.seq = s.seq;
+  p.dv = s.dv;
+  p.d = s.d;
+}
+
 // The widest copy (16, 4 or 2 bytes) that every row slice a tensor-core kernel reads
 // allows: the base addresses and the byte strides (and offsets) it steps by, OR-ed
 // together, must all be multiples of it.
@@ -120,20 +139,9 @@ template <typename T>
 void launch_fwd_tc(const at::Tensor& z, const at::Tensor& w, const at::Tensor& bias, const Gate& gate, const Shape& s,
                    at::Tensor& out) {
   tc::TcFwdParams p{};
-  p.z = z.data_ptr();
-  p.z_sb = z.stride(0);
-  p.z_sh = z.stride(1);
-  p.z_sq = z.stride(2);
-  p.w = w.data_ptr();
-  p.ldw = w.stride(0);
+  set_operands(p, z, w.data_ptr(), w.stride(0), gate, s);
   p.bias = bias.defined() ? bias.data_ptr() : nullptr;
-  p.gate = gate;
   p.out = out.data_ptr();
-  p.batch = s.batch;
-  p.heads = s.heads;
-  p.seq = s.seq;
-  p.dv = s.dv;
-  p.d = s.d;
   p.q_tiles = (s.seq + tc::kBM - 1) / tc::kBM;
   p.n_tiles = (s.d + tc::kBN - 1) / tc::kBN;
   const dim3 grid(static_cast<unsigned>(s.batch * p.q_tiles * p.n_tiles));
@@ -242,29 +250,13 @@ void launch_stats_tc(const at::Tensor& z, const at::Tensor& weight_o, const Gate
 }
 
 // Launches the tensor-core grad_z (+ c partials) and grad_weight_o kernels (16-bit types).
+// `base`: the SIMT kernels' parameters, which the tensor-core ones extend by their tile
+// counts (c_part sized for the tensor-core tiles).
 template <typename T>
-void launch_bwd_tc(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& w, const Gate& gate, const Shape& s,
-                   at::Tensor& grad_z, at::Tensor& grad_w, float* c_part) {
+void launch_bwd_tc(const BwdParams& base, const at::Tensor& dy, const at::Tensor& z, const at::Tensor& w,
+                   const Shape& s) {
   tc::TcBwdParams p{};
-  p.grad_out = dy.data_ptr();
-  p.z = z.data_ptr();
-  p.z_sb = z.stride(0);
-  p.z_sh = z.stride(1);
-  p.z_sq = z.stride(2);
-  p.w = w.data_ptr();
-  p.ldw = w.stride(0);
-  p.gate = gate;
-  p.grad_z = grad_z.data_ptr();
-  p.gz_sb = grad_z.stride(0);
-  p.gz_sh = grad_z.stride(1);
-  p.gz_sq = grad_z.stride(2);
-  p.grad_w = grad_w.data_ptr();
-  p.c_part = c_part;
-  p.batch = s.batch;
-  p.heads = s.heads;
-  p.seq = s.seq;
-  p.dv = s.dv;
-  p.d = s.d;
+  static_cast<BwdParams&>(p) = base;
   p.q_tiles = (s.seq + tc::kBM - 1) / tc::kBM;
   p.dv_tiles = (s.dv + tc::kBN - 1) / tc::kBN;
   p.d_tiles = (s.d + tc::kBM - 1) / tc::kBM;
@@ -361,22 +353,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_merge)(
   at::Tensor part = return_stats ? new_output({n_tiles, s.batch, s.seq, s.heads}, f32) : at::Tensor();
 
   FwdParams p{};
-  p.z = z.data_ptr();
-  p.z_sb = z.stride(0);
-  p.z_sh = z.stride(1);
-  p.z_sq = z.stride(2);
-  p.w = w.data_ptr();
-  p.ldw = w.stride(0);
+  set_operands(p, z, w.data_ptr(), w.stride(0), make_gate(gate32, s, rescale), s);
   p.bias = b.defined() ? b.data_ptr() : nullptr;
-  p.gate = make_gate(gate32, s, rescale);
   p.out = out.data_ptr();
   p.znorm_sq = return_stats ? z_norm.data_ptr<float>() : nullptr;
   p.onorm_part = return_stats ? part.data_ptr<float>() : nullptr;
-  p.batch = s.batch;
-  p.heads = s.heads;
-  p.seq = s.seq;
-  p.dv = s.dv;
-  p.d = s.d;
   const dim3 grid(static_cast<unsigned>(s.batch * n_tiles), cdiv(s.seq, kBM));
   dispatch_storage_dtype(z.scalar_type(), op, "z", [&](auto tag) {
     using T = decltype(tag);
@@ -439,28 +420,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_MERGE_ENTRY(head_m
                                      : static_cast<int64_t>(q_tiles) * dv_tiles;
   at::Tensor c_part = need_c ? new_output({s.batch, s.heads, parts}, z.options().dtype(at::kFloat)) : at::Tensor();
   BwdParams p{};
+  set_operands(p, z, weight_o.data_ptr(), weight_o.stride(0), make_gate(gate32, s, rescale), s);
   p.grad_out = dy.data_ptr();
-  p.z = z.data_ptr();
-  p.z_sb = z.stride(0);
-  p.z_sh = z.stride(1);
-  p.z_sq = z.stride(2);
-  p.w = weight_o.data_ptr();
-  p.ldw = weight_o.stride(0);
-  p.gate = make_gate(gate32, s, rescale);
   p.grad_z = grad_z.data_ptr();
   p.gz_sb = grad_z.stride(0);
   p.gz_sh = grad_z.stride(1);
   p.gz_sq = grad_z.stride(2);
   p.grad_w = grad_w.data_ptr();
   p.c_part = need_c ? c_part.data_ptr<float>() : nullptr;
-  p.batch = s.batch;
-  p.heads = s.heads;
-  p.seq = s.seq;
-  p.dv = s.dv;
-  p.d = s.d;
   dispatch_storage_dtype(z.scalar_type(), op, "z", [&](auto tag) {
     using T = decltype(tag);
-    if constexpr (sizeof(T) == 2) launch_bwd_tc<T>(dy, z, weight_o, p.gate, s, grad_z, grad_w, p.c_part);
+    if constexpr (sizeof(T) == 2) launch_bwd_tc<T>(p, dy, z, weight_o, s);
     if (!tensor_cores) {
       auto dz = &head_merge_bwd_dz_kernel<T>;
       HW_LAUNCH("head_merge_bwd_dz", dz, dim3(static_cast<unsigned>(s.batch * s.heads * dv_tiles), q_tiles),

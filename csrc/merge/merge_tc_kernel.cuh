@@ -812,18 +812,9 @@ __device__ __forceinline__ void ldmatrix_b_trans(uint32_t (&b0)[2], uint32_t (&b
   b1[1] = r[3];
 }
 
-struct TcBwdParams {
-  const void* grad_out;  // [B, Q, D] contiguous
-  const void* z;
-  int64_t z_sb, z_sh, z_sq;
-  const void* w;
-  int64_t ldw;
-  Gate gate;
-  void* grad_z;
-  int64_t gz_sb, gz_sh, gz_sq;
-  void* grad_w;    // [D, H*Dv] contiguous
-  float* c_part;   // [B, H, q_tiles * dv_tiles] or nullptr (no gate gradient)
-  int64_t batch, heads, seq, dv, d;
+// The SIMT backward's parameters (merge_kernel.cuh; here c_part is [B, H, q_tiles *
+// dv_tiles] of this file's tiles) and this file's tile counts.
+struct TcBwdParams : BwdParams {
   int64_t q_tiles, dv_tiles, d_tiles;
 };
 

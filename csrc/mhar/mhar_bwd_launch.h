@@ -3,6 +3,7 @@
 // where it fits, else mhar_route_bwd_kernel, then mhar_param_grad_reduce_kernel.
 #pragma once
 
+#include "mhar_bwd_staged_kernel.cuh"
 #include "mhar_launch.h"
 
 namespace headwise {

@@ -13,7 +13,6 @@
 #include "../common/op_range.h"
 #include "../common/outputs.h"
 #include "mhar_args.h"
-#include "mhar_bwd_staged_kernel.cuh"
 #include "mhar_fwd_staged_kernel.cuh"
 #include "mhar_kernel.cuh"
 #include "mhar_ops.h"
