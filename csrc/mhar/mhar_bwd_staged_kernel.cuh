@@ -635,10 +635,14 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_bwd_staged_kernel(cons
       b = next_b;
       t = next_t;
     }
-    // The segment's partials: z of the thread's vectors; the gate's over the block.
+    // The segment's partials: z of the thread's vectors (a warp's item is 32 consecutive
+    // vectors: one coalesced octet store each, 16 sectors a request where a lane's own two
+    // 16-byte stores take 32); the gate's over the block.
     HW_UNROLL
-    for (int i = 0; i < ITEMS; ++i)
-      if (present(i)) hw::store_from_float<VEC>(p.z_partial + seg * p.route.d + static_cast<int64_t>(v0 + 32 * i) * VEC, z[i]);
+    for (int i = 0; i < ITEMS; ++i) {
+      const int w0 = warp * 32 * ITEMS + 32 * i;
+      hw::warp_store_octets(p.z_partial + seg * p.route.d + static_cast<int64_t>(w0) * VEC, nvec - w0, z[i]);
+    }
     // The gate's: s_gate of heads tid, tid + nthreads (H <= nvec = 2 nthreads at most),
     // once every head's first lane has added its last S_h.
     __syncthreads();

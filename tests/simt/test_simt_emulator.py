@@ -309,6 +309,20 @@ def test_warp_sum_scatter_holds_warp_sum_bits(m):
     assert covered == set(range(m))
 
 
+@pytest.mark.parametrize("lanes", [-1, 0, 1, 15, 16, 17, 31, 32, 40])
+def test_warp_octets_move_each_lanes_eight_floats(lanes):
+    """hw::warp_load_octets hands lane l floats [8l, 8l + 8) of the span (zeros for
+    l >= lanes), and hw::warp_store_octets writes them back there (nothing for l >= lanes)."""
+    x = torch.randn(256, generator=torch.Generator().manual_seed(7))
+    loaded, stored = ops.warp_octets(x, lanes)
+    owned = max(0, min(lanes, 32))
+    want = x.view(32, 8).clone()
+    want[owned:] = 0
+    assert torch.equal(loaded, want)
+    assert torch.equal(stored[:8 * owned], x[:8 * owned])
+    assert torch.isnan(stored[8 * owned:]).all()
+
+
 def test_warp_sum_scatter_rejects_unsupported_counts():
     with pytest.raises(RuntimeError, match="M must be"):
         ops.warp_sum_scatter(torch.zeros(32, 5))

@@ -13,6 +13,7 @@
 //   warp_vote(pred [T] i32, mask)               __all_sync/__any_sync/__ballot_sync
 //   warp_sum_scatter(x [32, M] f32)             hw::warp_sum_scatter's held sums, and
 //                                               hw::warp_sum of each column
+//   warp_octets(x [256] f32, lanes)             hw::warp_load_octets / warp_store_octets
 //   dynamic_smem_roundtrip(blocks, threads, bytes)
 //   atomic_add_blocks(blocks, threads)          atomics across blocks on several OS threads
 //   spin_wait(threads)                          an intra-block spin-wait with __nanosleep
@@ -24,6 +25,7 @@
 //                                               in primitive_selftest.cuh, also built for CUDA)
 #include "simt.h"
 #include "../block_reduce.cuh"
+#include "../warp_octets.cuh"
 #include "primitive_selftest.cuh"
 
 #include <ATen/ATen.h>
@@ -155,6 +157,19 @@ __global__ void warp_sum_scatter_kernel(const float* __restrict__ x, float* __re
   hw::warp_sum_scatter(v);
   const int first = hw::warp_scatter_first<M>(lane);
   for (int k = 0; k < (M >> hw::warp_scatter_levels(M)); ++k) scattered[lane * M + first + k] = v[k];
+}
+
+// One warp; x [256]. loaded[lane] = the octet hw::warp_load_octets hands the lane from x;
+// stored = what hw::warp_store_octets writes of the octets x[8 lane, 8 lane + 8) (each
+// lane's read directly) into a NaN-filled span.
+__global__ void warp_octets_kernel(const float* __restrict__ x, int lanes, float* __restrict__ loaded,
+                                   float* __restrict__ stored) {
+  const int lane = threadIdx.x;
+  float v[8];
+  hw::warp_load_octets(x, lanes, v);
+  for (int k = 0; k < 8; ++k) loaded[lane * 8 + k] = v[k];
+  for (int k = 0; k < 8; ++k) v[k] = x[lane * 8 + k];
+  hw::warp_store_octets(stored, lanes, v);
 }
 
 // One block; out[t] = (all, any, ballot), or -1s for lanes outside `mask`.
@@ -540,6 +555,20 @@ std::tuple<at::Tensor, at::Tensor> warp_sum_scatter(const at::Tensor& x) {
   return {scattered, butterfly};
 }
 
+std::tuple<at::Tensor, at::Tensor> warp_octets(const at::Tensor& x, int64_t lanes) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 1 && x.size(0) == 256 && x.scalar_type() == at::kFloat, "warp_octets: x must be float32 [256]");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor loaded = at::empty({32, 8}, xc.options());
+  at::Tensor stored = at::full_like(xc, std::numeric_limits<float>::quiet_NaN());
+  const float* xp = xc.data_ptr<float>();
+  float* lp = loaded.data_ptr<float>();
+  float* sp = stored.data_ptr<float>();
+  const int n = static_cast<int>(lanes);
+  checked([&] { hw_sim::launch("warp_octets", 1, dim3(32), 0, [&] { warp_octets_kernel(xp, n, lp, sp); }); });
+  return {loaded, stored};
+}
+
 at::Tensor warp_vote(const at::Tensor& pred, int64_t mask) {
   check_cpu(pred, "pred");
   TORCH_CHECK(pred.dim() == 1 && pred.size(0) >= 1 && pred.size(0) <= 1024 && pred.scalar_type() == at::kInt,
@@ -695,6 +724,7 @@ TORCH_LIBRARY(headwise_simtest, m) {
   m.def("warp_shuffle(Tensor x, int kind, int arg, int width=32, int mask=4294967295) -> Tensor");
   m.def("warp_vote(Tensor pred, int mask=4294967295) -> Tensor");
   m.def("warp_sum_scatter(Tensor x) -> (Tensor, Tensor)");
+  m.def("warp_octets(Tensor x, int lanes) -> (Tensor, Tensor)");
   m.def("dynamic_smem_roundtrip(int blocks, int threads, int bytes) -> Tensor");
   m.def("atomic_add_blocks(int blocks, int threads) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("spin_wait(int threads) -> Tensor");
@@ -715,6 +745,7 @@ TORCH_LIBRARY_IMPL(headwise_simtest, CPU, m) {
   m.impl("warp_shuffle", &headwise::simtest::warp_shuffle);
   m.impl("warp_vote", &headwise::simtest::warp_vote);
   m.impl("warp_sum_scatter", &headwise::simtest::warp_sum_scatter);
+  m.impl("warp_octets", &headwise::simtest::warp_octets);
   m.impl("wmma_gemm", &headwise::simtest::wmma_gemm);
   m.impl("mma_lanes", &headwise::primtest::mma_lanes_sim);
   m.impl("ldmatrix_lanes", &headwise::primtest::ldmatrix_lanes_sim);
