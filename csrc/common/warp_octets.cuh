@@ -85,7 +85,10 @@ __device__ __forceinline__ void warp_store_octets(float* span, int lanes, const 
 #pragma unroll
     for (int k = 0; k < 4; ++k)
       v.v[k] = __uint_as_float((__float_as_uint(in[k]) & own) | (__float_as_uint(other[k]) & ~own));
-    if (a.owner < lanes) store_pack<float, 4>(span + a.offset, v);
+    if (a.owner < lanes) {
+      check_pack_alignment<float, 4>(span + a.offset);
+      store_pack<float, 4>(span + a.offset, v);
+    }
   }
 }
 

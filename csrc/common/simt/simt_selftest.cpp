@@ -13,7 +13,7 @@
 //   warp_vote(pred [T] i32, mask)               __all_sync/__any_sync/__ballot_sync
 //   warp_sum_scatter(x [32, M] f32)             hw::warp_sum_scatter's held sums, and
 //                                               hw::warp_sum of each column
-//   warp_octets(x [256] f32, lanes)             hw::warp_load_octets / warp_store_octets
+//   warp_octets(x [512] f32, lanes)             hw::warp_load_octets / warp_store_octets
 //   dynamic_smem_roundtrip(blocks, threads, bytes)
 //   atomic_add_blocks(blocks, threads)          atomics across blocks on several OS threads
 //   spin_wait(threads)                          an intra-block spin-wait with __nanosleep
@@ -159,17 +159,18 @@ __global__ void warp_sum_scatter_kernel(const float* __restrict__ x, float* __re
   for (int k = 0; k < (M >> hw::warp_scatter_levels(M)); ++k) scattered[lane * M + first + k] = v[k];
 }
 
-// One warp; x [256]. loaded[lane] = the octet hw::warp_load_octets hands the lane from x;
-// stored = what hw::warp_store_octets writes of the octets x[8 lane, 8 lane + 8) (each
-// lane's read directly) into a NaN-filled span.
+// Two warps; x [512], warp w's span x[256 w, 256 w + 256) with lanes - 32 w owned lanes.
+// loaded[32 w + lane] = the octet hw::warp_load_octets hands the lane; stored = what
+// hw::warp_store_octets writes of the octets x[8 t, 8 t + 8) (each thread t's read
+// directly) into a NaN-filled span.
 __global__ void warp_octets_kernel(const float* __restrict__ x, int lanes, float* __restrict__ loaded,
                                    float* __restrict__ stored) {
-  const int lane = threadIdx.x;
+  const int t = threadIdx.x, w0 = t & ~31;
   float v[8];
-  hw::warp_load_octets(x, lanes, v);
-  for (int k = 0; k < 8; ++k) loaded[lane * 8 + k] = v[k];
-  for (int k = 0; k < 8; ++k) v[k] = x[lane * 8 + k];
-  hw::warp_store_octets(stored, lanes, v);
+  hw::warp_load_octets(x + 8 * w0, lanes - w0, v);
+  for (int k = 0; k < 8; ++k) loaded[t * 8 + k] = v[k];
+  for (int k = 0; k < 8; ++k) v[k] = x[t * 8 + k];
+  hw::warp_store_octets(stored + 8 * w0, lanes - w0, v);
 }
 
 // One block; out[t] = (all, any, ballot), or -1s for lanes outside `mask`.
@@ -557,15 +558,15 @@ std::tuple<at::Tensor, at::Tensor> warp_sum_scatter(const at::Tensor& x) {
 
 std::tuple<at::Tensor, at::Tensor> warp_octets(const at::Tensor& x, int64_t lanes) {
   check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 1 && x.size(0) == 256 && x.scalar_type() == at::kFloat, "warp_octets: x must be float32 [256]");
+  TORCH_CHECK(x.dim() == 1 && x.size(0) == 512 && x.scalar_type() == at::kFloat, "warp_octets: x must be float32 [512]");
   const at::Tensor xc = x.contiguous();
-  at::Tensor loaded = at::empty({32, 8}, xc.options());
+  at::Tensor loaded = at::empty({64, 8}, xc.options());
   at::Tensor stored = at::full_like(xc, std::numeric_limits<float>::quiet_NaN());
   const float* xp = xc.data_ptr<float>();
   float* lp = loaded.data_ptr<float>();
   float* sp = stored.data_ptr<float>();
   const int n = static_cast<int>(lanes);
-  checked([&] { hw_sim::launch("warp_octets", 1, dim3(32), 0, [&] { warp_octets_kernel(xp, n, lp, sp); }); });
+  checked([&] { hw_sim::launch("warp_octets", 1, dim3(64), 0, [&] { warp_octets_kernel(xp, n, lp, sp); }); });
   return {loaded, stored};
 }
 
