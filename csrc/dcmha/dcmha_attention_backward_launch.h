@@ -162,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     int64_t head_groups) {
   HW_OP_RANGE("headwise::dcmha_attention_backward");
   const AttnShape s = check_attention_args(q, k, v, w1, w2, g, window, head_groups);
-  check_attention_backend(q, s, "dcmha_attention_backward");
+  check_backend(q, "q", s.heads, "attention", "dcmha_attention_backward");
   TORCH_CHECK_VALUE(grad_out.dim() == 4 && grad_out.size(0) == s.batch && grad_out.size(1) == s.heads &&
                         grad_out.size(2) == s.seq && grad_out.size(3) == s.v_dim,
                     "headwise.dcmha_attention_backward: grad_out must be [B, H, T, dv], got ", shape_str(grad_out));

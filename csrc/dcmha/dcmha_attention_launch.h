@@ -86,7 +86,7 @@ std::tuple<at::Tensor, at::Tensor> HW_DCMHA_ENTRY(attention)(const at::Tensor& q
                                                             int64_t window, double scale, int64_t head_groups) {
   HW_OP_RANGE("headwise::dcmha_attention");
   const AttnShape s = check_attention_args(q, k, v, w1, w2, g, window, head_groups);
-  check_attention_backend(q, s, "dcmha_attention");
+  check_backend(q, "q", s.heads, "attention", "dcmha_attention");
   const size_t smem = static_cast<size_t>(attn_smem_floats(static_cast<int>(s.heads), static_cast<int>(s.head_dim),
                                                            static_cast<int>(s.v_dim), kAttnThreads)) *
                       sizeof(float);

@@ -53,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
     int64_t slot, int64_t head_groups) {
   HW_OP_RANGE("headwise::dcmha_compose_backward");
   const Shape s = check_compose_args(a, w1, w2, g, slot, head_groups);
-  check_compose_backend(a, s, "dcmha_compose_backward");
+  check_backend(a, "a", s.heads, "compose", "dcmha_compose_backward");
   TORCH_CHECK_VALUE(grad.sizes() == a.sizes(), "headwise.dcmha_compose_backward: grad must have the shape of a ",
                     shape_str(a), ", got ", shape_str(grad));
   check_same_dtype("dcmha_compose_backward", grad, "grad", a, "a");

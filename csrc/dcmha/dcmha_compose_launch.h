@@ -11,7 +11,7 @@ at::Tensor HW_DCMHA_ENTRY(compose)(const at::Tensor& a, const at::Tensor& w1, co
                                    const at::Tensor& g, int64_t slot, int64_t head_groups) {
   HW_OP_RANGE("headwise::dcmha_compose");
   const Shape s = check_compose_args(a, w1, w2, g, slot, head_groups);
-  check_compose_backend(a, s, "dcmha_compose");
+  check_backend(a, "a", s.heads, "compose", "dcmha_compose");
   const at::OptionalDeviceGuard device_guard(a.device());
   const at::Tensor x = a.contiguous();
   const at::Tensor w1f = w1.to(at::kFloat).contiguous(), w2f = w2.to(at::kFloat).contiguous(),

@@ -37,20 +37,16 @@ namespace {
 using hw::kBackendDevice;
 using hw::on_backend_device;
 
-// The backend's device, a storage dtype and at most kMaxHeads heads: for the compose entries
-// (a) and for the attention entries (q).
-inline void check_compose_backend(const at::Tensor& a, const Shape& s, const char* op) {
-  TORCH_CHECK(on_backend_device(a), "headwise.", op, ": a is on ", a.device(), " but ", kBackendDevice);
-  dispatch_storage_dtype(a.scalar_type(), op, "a", [](auto) {});
-  TORCH_CHECK_VALUE(s.heads <= kMaxHeads, "headwise.", op, ": H = ", s.heads,
-                    " exceeds the most heads of the CUDA compose kernel (", kMaxHeads, ")");
-}
-
-inline void check_attention_backend(const at::Tensor& q, const AttnShape& s, const char* op) {
-  TORCH_CHECK(on_backend_device(q), "headwise.", op, ": q is on ", q.device(), " but ", kBackendDevice);
-  dispatch_storage_dtype(q.scalar_type(), op, "q", [](auto) {});
-  TORCH_CHECK_VALUE(s.heads <= kMaxHeads, "headwise.", op, ": H = ", s.heads,
-                    " exceeds the most heads of the CUDA attention kernel (", kMaxHeads, ")");
+// The checks every DCMHA backend entry makes of its first operand `tensor`, named `name` (a for
+// the compose entries, q for the attention entries): it lives on this backend's device, holds a
+// storage dtype, and spans at most kMaxHeads heads. `kernel` names the family in the message.
+inline void check_backend(const at::Tensor& tensor, const char* name, int64_t heads, const char* kernel,
+                          const char* op) {
+  TORCH_CHECK(on_backend_device(tensor), "headwise.", op, ": ", name, " is on ", tensor.device(), " but ",
+              kBackendDevice);
+  dispatch_storage_dtype(tensor.scalar_type(), op, name, [](auto) {});
+  TORCH_CHECK_VALUE(heads <= kMaxHeads, "headwise.", op, ": H = ", heads, " exceeds the most heads of the CUDA ",
+                    kernel, " kernel (", kMaxHeads, ")");
 }
 
 // The fields the compose and the attention parameters share: the fp32 weights w1, w2, g and

@@ -1,6 +1,8 @@
 """The CUDA kernels of the fused DCMHA attention (forward and backward), run by the SIMT
 emulator (torch.ops.headwise_sim), against the materializing reference."""
 
+import re
+
 import pytest
 import torch
 
@@ -61,9 +63,22 @@ def test_sim_forward_opcheck_schema_and_fake():
 
 
 def test_sim_rejects_too_many_heads():
-    q = torch.randn(1, 33, 3, 4)
-    with pytest.raises(ValueError, match="exceeds the most heads"):
-        SIM.dcmha_attention(q, q, q, make_weights(1, 3, 33))
+    # Every DCMHA entry of the CUDA kernels takes at most 32 heads, and says so by name.
+    x = torch.randn(1, 33, 3, 4)
+    a = torch.randn(1, 33, 3, 3)
+    w = tuple(make_weights(1, 3, 33))
+    stats = torch.zeros(2, 1, 33, 3)
+    calls = {
+        "dcmha_compose": ("compose", lambda: torch.ops.headwise_sim.dcmha_compose(a, *w, 0, 1)),
+        "dcmha_compose_backward": ("compose", lambda: torch.ops.headwise_sim.dcmha_compose_backward(a, a, *w, 0, 1)),
+        "dcmha_attention": ("attention", lambda: torch.ops.headwise_sim.dcmha_attention(x, x, x, *w, True, 0, 0.5, 1)),
+        "dcmha_attention_backward": ("attention", lambda: torch.ops.headwise_sim.dcmha_attention_backward(
+            x, x, x, x, *w, stats, True, 0, 0.5, 1)),
+    }
+    for op, (kernel, call) in calls.items():
+        message = f"headwise.{op}: H = 33 exceeds the most heads of the CUDA {kernel} kernel (32)"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
 
 
 
