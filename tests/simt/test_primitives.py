@@ -1,10 +1,11 @@
 """Lane-by-lane tests of the GPU primitives of csrc/common/mma_primitives.cuh (mma.sync,
-ldmatrix, cp.async; kernels in csrc/common/simt/primitive_selftest.cuh). Each lane's
-registers are built here from the PTX ISA's fragment maps (written out below, independently
-of the emulator's code) and each lane's results are checked against the same maps. The
-tests run on the emulator ("sim") and, on a machine with a GPU, on the hardware ("cuda"),
-where they check the maps against real tensor cores. The faulty uses must fail with an
-error naming the instruction (emulator only)."""
+ldmatrix, cp.async), cluster.cuh and warp_octets.cuh (kernels in
+csrc/common/simt/primitive_selftest.cuh). Each lane's registers are built here from the
+PTX ISA's fragment maps (written out below, independently of the emulator's code) and
+each lane's results are checked against the same maps. The tests run on the emulator
+("sim") and, on a machine with a GPU, on the hardware ("cuda"), where they check the maps
+against real tensor cores. The faulty uses must fail with an error naming the instruction
+(emulator only)."""
 
 import re
 import time
@@ -257,6 +258,25 @@ def test_cluster_rank_barrier_and_distributed_shared_memory(device, blocks, clus
         assert torch.all(out[b, 0] == rank) and torch.all(out[b, 1] == cluster_x), b
         assert torch.equal(out[b, 2], 1000 * nxt + i), b  # read from the next CTA's shared memory
         assert torch.equal(out[b, 3], 1000 * prev + 500 + i), b  # written by the previous CTA
+
+
+# ---------------------------------------------------------------------------
+# Octets moved by coalesced 16-byte accesses (csrc/common/warp_octets.cuh)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("lanes", [-1, 0, 1, 15, 16, 17, 31, 32, 40, 47, 63, 64, 70])
+def test_warp_octets_move_each_lanes_eight_floats(device, lanes):
+    """hw::warp_load_octets hands thread t floats [8t, 8t + 8) of x (zeros for t >= lanes),
+    and hw::warp_store_octets writes them back there (nothing for t >= lanes); two warps,
+    each with its own 256-float span and lanes - 32 w owned lanes. On a GPU the store takes
+    its lane from %laneid."""
+    x = torch.randn(512, generator=torch.Generator().manual_seed(7))
+    loaded, stored = (t.cpu() for t in ops.warp_octets(x.to(device), lanes))
+    owned = max(0, min(lanes, 64))
+    want = x.view(64, 8).clone()
+    want[owned:] = 0
+    assert torch.equal(loaded, want)
+    assert torch.equal(stored[:8 * owned], x[:8 * owned])
+    assert torch.isnan(stored[8 * owned:]).all()
 
 
 # ---------------------------------------------------------------------------

@@ -309,21 +309,6 @@ def test_warp_sum_scatter_holds_warp_sum_bits(m):
     assert covered == set(range(m))
 
 
-@pytest.mark.parametrize("lanes", [-1, 0, 1, 15, 16, 17, 31, 32, 40, 47, 63, 64, 70])
-def test_warp_octets_move_each_lanes_eight_floats(lanes):
-    """hw::warp_load_octets hands thread t floats [8t, 8t + 8) of x (zeros for t >= lanes),
-    and hw::warp_store_octets writes them back there (nothing for t >= lanes); two warps,
-    each with its own 256-float span and lanes - 32 w owned lanes."""
-    x = torch.randn(512, generator=torch.Generator().manual_seed(7))
-    loaded, stored = ops.warp_octets(x, lanes)
-    owned = max(0, min(lanes, 64))
-    want = x.view(64, 8).clone()
-    want[owned:] = 0
-    assert torch.equal(loaded, want)
-    assert torch.equal(stored[:8 * owned], x[:8 * owned])
-    assert torch.isnan(stored[8 * owned:]).all()
-
-
 def test_warp_sum_scatter_rejects_unsupported_counts():
     with pytest.raises(RuntimeError, match="M must be"):
         ops.warp_sum_scatter(torch.zeros(32, 5))

@@ -1,4 +1,5 @@
-// Lane-by-lane self-tests of the primitives of csrc/common/mma_primitives.cuh: tiny kernels
+// Lane-by-lane self-tests of the primitives of csrc/common/mma_primitives.cuh, cluster.cuh
+// and warp_octets.cuh: tiny kernels
 // that feed each lane's fragment registers in and read each lane's results out, so the
 // Python side (tests/simt/test_primitives.py) checks every lane against the PTX ISA's
 // fragment maps. Compiled twice: into the emulated library (simt_selftest.cpp registers the
@@ -29,11 +30,16 @@
 //       1000 b + i, cluster-syncs, writes 1000 b + 500 + i into words [64, 128) of the next
 //       rank's CTA, cluster-syncs, and thread i records its %cluster_ctarank, the cluster's
 //       CTA count, word i of the next rank's CTA and its own word 64 + i.
+//   warp_octets(x [512] f32, lanes) -> (loaded [64, 8], stored [512]) f32: two warps, warp
+//       w's span x[256 w, 256 w + 256) with lanes - 32 w owned lanes; loaded[t] = the octet
+//       hw::warp_load_octets hands thread t, stored = what hw::warp_store_octets writes of
+//       the octets x[8 t, 8 t + 8) (each thread's, read directly) into a NaN-filled span.
 #pragma once
 
 #include "../backend_device.h"
 #include "../cluster.cuh"
 #include "../mma_primitives.cuh"
+#include "../warp_octets.cuh"
 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
@@ -41,6 +47,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <tuple>
 
 namespace headwise {
 namespace primtest {
@@ -158,6 +165,17 @@ __global__ void cluster_exchange_kernel(int* __restrict__ out) {
   o[kClusterThreads + i] = static_cast<int>(ctas);
   o[2 * kClusterThreads + i] = from_next;
   o[3 * kClusterThreads + i] = words[kClusterThreads + i];
+}
+
+// Two 32-lane warps; see warp_octets above.
+__global__ void warp_octets_kernel(const float* __restrict__ x, int lanes, float* __restrict__ loaded,
+                                   float* __restrict__ stored) {
+  const int t = threadIdx.x, w0 = t & ~31;
+  float v[8];
+  hw::warp_load_octets(x + 8 * w0, lanes - w0, v);
+  for (int k = 0; k < 8; ++k) loaded[t * 8 + k] = v[k];
+  for (int k = 0; k < 8; ++k) v[k] = x[t * 8 + k];
+  hw::warp_store_octets(stored + 8 * w0, lanes - w0, v);
 }
 
 // --- host entries (HW_BACKEND_ENTRY: *_sim for the emulated library, *_cuda for CUDA) ---
@@ -299,6 +317,19 @@ inline at::Tensor HW_BACKEND_ENTRY(cluster_exchange)(const at::Tensor& like, int
   HW_LAUNCH_CLUSTER("cluster_exchange", kernel, dim3(static_cast<unsigned>(blocks)), dim3(kClusterThreads),
                     dim3(static_cast<unsigned>(cluster_x)), 2 * kClusterThreads * sizeof(int), op);
   return out;
+}
+
+inline std::tuple<at::Tensor, at::Tensor> HW_BACKEND_ENTRY(warp_octets)(const at::Tensor& x, int64_t lanes) {
+  check_test_tensor(x, "warp_octets", "x", at::kFloat, {512});
+  TORCH_CHECK(lanes >= -1024 && lanes <= 1024, "headwise_simtest.warp_octets: lanes must be in [-1024, 1024]");
+  const at::OptionalDeviceGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor loaded = at::full({64, 8}, std::numeric_limits<float>::quiet_NaN(), xc.options());
+  at::Tensor stored = at::full_like(xc, std::numeric_limits<float>::quiet_NaN());
+  auto kernel = &warp_octets_kernel;
+  HW_LAUNCH("warp_octets", kernel, dim3(1), dim3(64), 0, xc.data_ptr<float>(), static_cast<int>(lanes),
+            loaded.data_ptr<float>(), stored.data_ptr<float>());
+  return {loaded, stored};
 }
 
 }  // namespace primtest

@@ -13,19 +13,18 @@
 //   warp_vote(pred [T] i32, mask)               __all_sync/__any_sync/__ballot_sync
 //   warp_sum_scatter(x [32, M] f32)             hw::warp_sum_scatter's held sums, and
 //                                               hw::warp_sum of each column
-//   warp_octets(x [512] f32, lanes)             hw::warp_load_octets / warp_store_octets
 //   dynamic_smem_roundtrip(blocks, threads, bytes)
 //   atomic_add_blocks(blocks, threads)          atomics across blocks on several OS threads
 //   spin_wait(threads)                          an intra-block spin-wait with __nanosleep
 //   wmma_gemm(a [M, K], b [K, N] or [N, K], b_col_major)  f16/bf16 tiles, f32 accumulation
 //   faulty_kernel(which)                        a buggy kernel; always raises RuntimeError
-//   mma_lanes, ldmatrix_lanes, cp_async_roundtrip, cp_async_ldmatrix, cluster_exchange
-//                                               lane-by-lane tests of the primitives of
-//                                               csrc/common/{mma_primitives,cluster}.cuh (kernels
-//                                               in primitive_selftest.cuh, also built for CUDA)
+//   mma_lanes, ldmatrix_lanes, cp_async_roundtrip, cp_async_ldmatrix, cluster_exchange,
+//   warp_octets                                 lane-by-lane tests of the primitives of
+//                                               csrc/common/{mma_primitives,cluster,
+//                                               warp_octets}.cuh (kernels in
+//                                               primitive_selftest.cuh, also built for CUDA)
 #include "simt.h"
 #include "../block_reduce.cuh"
-#include "../warp_octets.cuh"
 #include "primitive_selftest.cuh"
 
 #include <ATen/ATen.h>
@@ -157,20 +156,6 @@ __global__ void warp_sum_scatter_kernel(const float* __restrict__ x, float* __re
   hw::warp_sum_scatter(v);
   const int first = hw::warp_scatter_first<M>(lane);
   for (int k = 0; k < (M >> hw::warp_scatter_levels(M)); ++k) scattered[lane * M + first + k] = v[k];
-}
-
-// Two warps; x [512], warp w's span x[256 w, 256 w + 256) with lanes - 32 w owned lanes.
-// loaded[32 w + lane] = the octet hw::warp_load_octets hands the lane; stored = what
-// hw::warp_store_octets writes of the octets x[8 t, 8 t + 8) (each thread t's read
-// directly) into a NaN-filled span.
-__global__ void warp_octets_kernel(const float* __restrict__ x, int lanes, float* __restrict__ loaded,
-                                   float* __restrict__ stored) {
-  const int t = threadIdx.x, w0 = t & ~31;
-  float v[8];
-  hw::warp_load_octets(x + 8 * w0, lanes - w0, v);
-  for (int k = 0; k < 8; ++k) loaded[t * 8 + k] = v[k];
-  for (int k = 0; k < 8; ++k) v[k] = x[t * 8 + k];
-  hw::warp_store_octets(stored + 8 * w0, lanes - w0, v);
 }
 
 // One block; out[t] = (all, any, ballot), or -1s for lanes outside `mask`.
@@ -556,20 +541,6 @@ std::tuple<at::Tensor, at::Tensor> warp_sum_scatter(const at::Tensor& x) {
   return {scattered, butterfly};
 }
 
-std::tuple<at::Tensor, at::Tensor> warp_octets(const at::Tensor& x, int64_t lanes) {
-  check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 1 && x.size(0) == 512 && x.scalar_type() == at::kFloat, "warp_octets: x must be float32 [512]");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor loaded = at::empty({64, 8}, xc.options());
-  at::Tensor stored = at::full_like(xc, std::numeric_limits<float>::quiet_NaN());
-  const float* xp = xc.data_ptr<float>();
-  float* lp = loaded.data_ptr<float>();
-  float* sp = stored.data_ptr<float>();
-  const int n = static_cast<int>(lanes);
-  checked([&] { hw_sim::launch("warp_octets", 1, dim3(64), 0, [&] { warp_octets_kernel(xp, n, lp, sp); }); });
-  return {loaded, stored};
-}
-
 at::Tensor warp_vote(const at::Tensor& pred, int64_t mask) {
   check_cpu(pred, "pred");
   TORCH_CHECK(pred.dim() == 1 && pred.size(0) >= 1 && pred.size(0) <= 1024 && pred.scalar_type() == at::kInt,
@@ -725,7 +696,6 @@ TORCH_LIBRARY(headwise_simtest, m) {
   m.def("warp_shuffle(Tensor x, int kind, int arg, int width=32, int mask=4294967295) -> Tensor");
   m.def("warp_vote(Tensor pred, int mask=4294967295) -> Tensor");
   m.def("warp_sum_scatter(Tensor x) -> (Tensor, Tensor)");
-  m.def("warp_octets(Tensor x, int lanes) -> (Tensor, Tensor)");
   m.def("dynamic_smem_roundtrip(int blocks, int threads, int bytes) -> Tensor");
   m.def("atomic_add_blocks(int blocks, int threads) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("spin_wait(int threads) -> Tensor");
@@ -738,6 +708,7 @@ TORCH_LIBRARY(headwise_simtest, m) {
       "-> Tensor");
   m.def("cp_async_ldmatrix(Tensor src, int sync) -> Tensor");
   m.def("cluster_exchange(Tensor like, int blocks, int cluster_x) -> Tensor");
+  m.def("warp_octets(Tensor x, int lanes) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(headwise_simtest, CPU, m) {
@@ -746,13 +717,13 @@ TORCH_LIBRARY_IMPL(headwise_simtest, CPU, m) {
   m.impl("warp_shuffle", &headwise::simtest::warp_shuffle);
   m.impl("warp_vote", &headwise::simtest::warp_vote);
   m.impl("warp_sum_scatter", &headwise::simtest::warp_sum_scatter);
-  m.impl("warp_octets", &headwise::simtest::warp_octets);
   m.impl("wmma_gemm", &headwise::simtest::wmma_gemm);
   m.impl("mma_lanes", &headwise::primtest::mma_lanes_sim);
   m.impl("ldmatrix_lanes", &headwise::primtest::ldmatrix_lanes_sim);
   m.impl("cp_async_roundtrip", &headwise::primtest::cp_async_roundtrip_sim);
   m.impl("cp_async_ldmatrix", &headwise::primtest::cp_async_ldmatrix_sim);
   m.impl("cluster_exchange", &headwise::primtest::cluster_exchange_sim);
+  m.impl("warp_octets", &headwise::primtest::warp_octets_sim);
 }
 
 // Ops without tensor arguments have no device to dispatch on.
