@@ -346,6 +346,35 @@ __device__ __forceinline__ int64_t rank_open_heads(const GateOf& gate_of, int64_
   return open;
 }
 
+// The turns of a staged epilogue (store_tile_staged, tile_dot_staged). The two warp rows
+// (kWarpsM = 2, kWarpM = 64 rows each) take turns staging their accumulators in a 64-row
+// tile of the idle ring, which all threads then drain. Turn `part`: a barrier (the ring,
+// or the previous turn's tile, is no longer read); the warps of warp row `part` call
+// put(r, c, v0, v1) for each pair of accumulators e = 2 half, 2 half + 1 of their mma
+// tiles (i, j): v0, v1 = value(i, j, e) (fp32) at tile row r = 16 i + g + 8 half, columns
+// c, c + 1 with c = wn + 8 j + 2 t (g = lane / 4, t = lane % 4); a barrier; then every
+// thread calls drain(part).
+template <typename Value, typename Put, typename Drain>
+__device__ __forceinline__ void staged_turns(const Value& value, int wm, int wn, int lane, const Put& put,
+                                             const Drain& drain) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll 1
+  for (int part = 0; part < kWarpsM; ++part) {
+    __syncthreads();
+    if (wm == part * kWarpM) {
+#pragma unroll
+      for (int i = 0; i < kMmaM; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int j = 0; j < kMmaN; ++j)
+            put(i * 16 + g + 8 * half, wn + j * 8 + 2 * t, value(i, j, 2 * half), value(i, j, 2 * half + 1));
+    }
+    __syncthreads();
+    drain(part);
+  }
+}
+
 // The epilogue of every tensor-core GEMM here: out[r * ld + c] = T(value(i, j, e)) for the
 // CTA's kBM x kBN tile (rows r < rows, columns c < cols), written through shared memory so
 // that each row of the tile leaves in 16-byte stores (a warp writes 512 contiguous bytes of
@@ -366,27 +395,15 @@ __device__ __forceinline__ void store_tile_staged(unsigned char* smem, const Val
   constexpr int kLdo = kBN + 8;            // staging row, elements
   constexpr int kOutChunks = kBN / E;      // 16-byte chunks per tile row
   static_assert(static_cast<size_t>(kWarpM) * kLdo * sizeof(T) <= kSmemBytes, "a warp row's tile fits the ring");
-  const int g = lane >> 2, t = lane & 3;
   const bool vec_out = (ld * static_cast<int64_t>(sizeof(T))) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   T* stage_tile = reinterpret_cast<T*>(smem);
-#pragma unroll 1
-  for (int part = 0; part < kWarpsM; ++part) {
-    __syncthreads();  // the ring (or the previous part's tile) is no longer read
-    if (wm == part * kWarpM) {
-#pragma unroll
-      for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int j = 0; j < kMmaN; ++j) {
-            struct alignas(2 * sizeof(T)) Pair {
-              T x, y;
-            };
-            *reinterpret_cast<Pair*>(stage_tile + (i * 16 + g + 8 * half) * kLdo + wn + j * 8 + 2 * t) =
-                Pair{static_cast<T>(value(i, j, 2 * half)), static_cast<T>(value(i, j, 2 * half + 1))};
-          }
-    }
-    __syncthreads();
+  const auto put = [&](int r, int c, float v0, float v1) {
+    struct alignas(2 * sizeof(T)) Pair {
+      T x, y;
+    };
+    *reinterpret_cast<Pair*>(stage_tile + r * kLdo + c) = Pair{static_cast<T>(v0), static_cast<T>(v1)};
+  };
+  const auto drain = [&](int part) {
     const int64_t part_rows = rows - part * kWarpM;
     T* part_out = out + static_cast<int64_t>(part) * kWarpM * ld;
     if (vec_out) {
@@ -407,7 +424,8 @@ __device__ __forceinline__ void store_tile_staged(unsigned char* smem, const Val
         if (r < part_rows && c < cols) part_out[r * ld + c] = stage_tile[r * kLdo + c];
       }
     }
-  }
+  };
+  staged_turns(value, wm, wn, lane, put, drain);
 }
 
 // The gate's gradient term of a backward tile: sum over rows r < rows, columns c < cols of
@@ -441,27 +459,16 @@ __device__ __forceinline__ float tile_dot_staged(unsigned char* smem, const floa
   static_assert(static_cast<size_t>(kWarpM) * kLdp * sizeof(float) <= kSmemBytes, "a warp row's P fits the ring");
   static_assert(E == 8 && kBN == 128, "a 16-byte chunk of Z (16-bit T) meets two 16-byte pieces of P");
   const auto word = [](int col) { return ((col >> 2) & 1) * kHalf1 + (col >> 3) * 4 + (col & 3); };
-  const int g = lane >> 2, t = lane & 3;
   const bool vec_z = (ld * static_cast<int64_t>(sizeof(T))) % 16 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0;
   float* stage = reinterpret_cast<float*>(smem);
   float c = 0.f;
-#pragma unroll 1
-  for (int part = 0; part < kWarpsM; ++part) {
-    __syncthreads();  // the ring (or the previous part's tile) is no longer read
-    if (wm == part * kWarpM) {
-#pragma unroll
-      for (int i = 0; i < kMmaM; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int j = 0; j < kMmaN; ++j) {
-            hw::Pack<float, 2> pair;
-            pair.v[0] = acc[i][j][2 * half];
-            pair.v[1] = acc[i][j][2 * half + 1];
-            hw::store_pack<float, 2>(stage + (i * 16 + g + 8 * half) * kLdp + word(wn + j * 8 + 2 * t), pair);
-          }
-    }
-    __syncthreads();
+  const auto put = [&](int r, int col, float v0, float v1) {
+    hw::Pack<float, 2> pair;
+    pair.v[0] = v0;
+    pair.v[1] = v1;
+    hw::store_pack<float, 2>(stage + r * kLdp + word(col), pair);
+  };
+  const auto drain = [&](int part) {
     const int64_t part_rows = rows - part * kWarpM;
     const T* part_z = z + static_cast<int64_t>(part) * kWarpM * ld;
     if (vec_z) {
@@ -495,7 +502,8 @@ __device__ __forceinline__ float tile_dot_staged(unsigned char* smem, const floa
           c = fmaf(static_cast<float>(part_z[r * ld + col]), stage[r * kLdp + word(col)], c);
       }
     }
-  }
+  };
+  staged_turns([&](int i, int j, int e) { return acc[i][j][e]; }, wm, wn, lane, put, drain);
   return c;
 }
 
