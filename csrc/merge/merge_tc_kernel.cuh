@@ -357,6 +357,7 @@ __device__ __forceinline__ int64_t rank_open_heads(const GateOf& gate_of, int64_
 template <typename Value, typename Put, typename Drain>
 __device__ __forceinline__ void staged_turns(const Value& value, int wm, int wn, int lane, const Put& put,
                                              const Drain& drain) {
+  static_assert(std::is_same<decltype(value(0, 0, 0)), float>::value, "put takes the fp32 values as they are");
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll 1
   for (int part = 0; part < kWarpsM; ++part) {

@@ -279,6 +279,12 @@ def test_warp_octets_move_each_lanes_eight_floats(device, lanes):
     assert torch.isnan(stored[8 * owned:]).all()
 
 
+def test_warp_octets_rejects_a_misaligned_span(device):
+    x = torch.zeros(513, device=device)[1:]  # contiguous, 4 bytes past a 16-byte boundary
+    with pytest.raises(RuntimeError, match="x must be 16-byte aligned"):
+        ops.warp_octets(x, 32)
+
+
 # ---------------------------------------------------------------------------
 # Faulty uses (emulator): named errors instead of undefined behaviour
 # ---------------------------------------------------------------------------

@@ -324,6 +324,8 @@ inline std::tuple<at::Tensor, at::Tensor> HW_BACKEND_ENTRY(warp_octets)(const at
   TORCH_CHECK(lanes >= -1024 && lanes <= 1024, "headwise_simtest.warp_octets: lanes must be in [-1024, 1024]");
   const at::OptionalDeviceGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 == 0,
+              "headwise_simtest.warp_octets: x must be 16-byte aligned (the octets move by 16-byte accesses)");
   at::Tensor loaded = at::full({64, 8}, std::numeric_limits<float>::quiet_NaN(), xc.options());
   at::Tensor stored = at::full_like(xc, std::numeric_limits<float>::quiet_NaN());
   auto kernel = &warp_octets_kernel;
