@@ -190,6 +190,12 @@ inline void check_test_tensor(const at::Tensor& t, const char* op, const char* a
               ", got ", t.sizes());
 }
 
+// The 16-byte alignment the kernels' vector accesses need, of t as the kernel reads it.
+inline void check_test_aligned16(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "headwise_simtest.", op, ": ", arg,
+              " must be 16-byte aligned");
+}
+
 inline at::Tensor HW_BACKEND_ENTRY(mma_lanes)(const at::Tensor& a_regs, const at::Tensor& b_regs,
                                               const at::Tensor& c, int64_t kind) {
   constexpr const char* op = "mma_lanes";
@@ -272,8 +278,7 @@ inline at::Tensor HW_BACKEND_ENTRY(cp_async_roundtrip)(const at::Tensor& src, in
   check_test_tensor(src, op, "src", at::kInt, {copies * copy_bytes / 4});
   const at::OptionalDeviceGuard guard(src.device());
   const at::Tensor s = src.contiguous(), sb = src_bytes.contiguous();
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0, "headwise_simtest.", op,
-              ": src must be 16-byte aligned");
+  check_test_aligned16(s, op, "src");
   at::Tensor out = at::full({2, copies * copy_bytes / 4}, 0x5a5a5a5a, src.options());
   const auto* sp = static_cast<const unsigned char*>(s.data_ptr());
   const int* sbp = sb.data_ptr<int>();
@@ -324,8 +329,7 @@ inline std::tuple<at::Tensor, at::Tensor> HW_BACKEND_ENTRY(warp_octets)(const at
   TORCH_CHECK(lanes >= -1024 && lanes <= 1024, "headwise_simtest.warp_octets: lanes must be in [-1024, 1024]");
   const at::OptionalDeviceGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 == 0,
-              "headwise_simtest.warp_octets: x must be 16-byte aligned (the octets move by 16-byte accesses)");
+  check_test_aligned16(xc, "warp_octets", "x");
   at::Tensor loaded = at::full({64, 8}, std::numeric_limits<float>::quiet_NaN(), xc.options());
   at::Tensor stored = at::full_like(xc, std::numeric_limits<float>::quiet_NaN());
   auto kernel = &warp_octets_kernel;
