@@ -64,7 +64,9 @@ PRIMITIVE_TESTS="simt/test_primitives.py gemm/test_sample_gemm.py"
 stage "CUDA tests"
 cd tests
 XDIST=""; $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
-run_capped 120 "cuda tests" $PY -m pytest -q -ra $XDIST -k cuda --junitxml="$RES/cuda_tests.xml" \
+# Without the emulator's launch-limit test: it crashed its xdist worker on the first H200
+# run and runs alone under faulthandler below.
+run_capped 120 "cuda tests" $PY -m pytest -q -ra $XDIST -k "cuda and not sim_refuses_launches" --junitxml="$RES/cuda_tests.xml" \
   $(for t in $PRIMITIVE_TESTS; do echo "--ignore=$t"; done) .
 cd ..
 

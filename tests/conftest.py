@@ -2,6 +2,7 @@
 and `backend` parametrizes a test over cpu / sim / cuda (cuda skips without a GPU)."""
 
 import os
+import warnings
 
 os.environ.setdefault("HEADWISE_POISON_OUTPUTS", "1")  # read once by the op libraries
 
@@ -12,20 +13,36 @@ import headwise  # noqa: E402,F401
 from headwise import testing  # noqa: E402
 
 
+class CudaBackendUnused(UserWarning):
+    """A test ran with the cuda backend but made no CUDA tensor: its inputs stayed on the
+    CPU, so it tested the CPU kernels under the cuda id."""
+
+
+def _backend(name, test):
+    """The backend fixtures' body: skips cuda without a GPU, and after a cuda test warns
+    (CudaBackendUnused) if the test allocated nothing on the GPU."""
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    ops = testing.backend(name)
+    if name != "cuda":
+        yield ops
+        return
+    before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+    yield ops
+    if torch.cuda.memory_stats().get("allocation.all.allocated", 0) == before:
+        warnings.warn(f"{test}: no CUDA tensor was made; the test ran the CPU kernels", CudaBackendUnused)
+
+
 @pytest.fixture(params=testing.BACKENDS)
 def backend(request):
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return testing.backend(request.param)
+    yield from _backend(request.param, request.node.nodeid)
 
 
 @pytest.fixture(params=["sim", "cuda"])
 def kernel_backend(request):
     """Backends that run the CUDA kernels: emulated (sim), and on the GPU (cuda, skipped
     without one)."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return testing.backend(request.param)
+    yield from _backend(request.param, request.node.nodeid)
 
 
 @pytest.fixture(params=["cpu", "sim"])

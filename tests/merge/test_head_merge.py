@@ -167,23 +167,25 @@ def test_two_head_trace(backend):
 
 def test_rescale_one_closed_of_eight_is_exactly_eight_sevenths(backend):
     b, h, q, dv, d = 2, 8, 5, 4, 12
-    z = make_z(b, h, q, dv, "bqhd_view")
-    w, _ = make_params(h, dv, d)
-    gate = torch.ones(h)
+    dev = backend.device
+    z = make_z(b, h, q, dv, "bqhd_view", device=dev)
+    w = make_params(h, dv, d)[0].to(dev)
+    gate = torch.ones(h, device=dev)
     gate[3] = 0
     plain = backend.head_merge(z, w, head_gate=gate)
     scaled = backend.head_merge(z, w, head_gate=gate, rescale=True)
     torch.testing.assert_close(scaled, plain * (8 / 7), rtol=1e-6, atol=1e-7)
     # Rescale of an all-open gate is 1.
-    ones = torch.ones(h)
+    ones = torch.ones(h, device=dev)
     torch.testing.assert_close(backend.head_merge(z, w, head_gate=ones, rescale=True), backend.head_merge(z, w))
 
 
 def test_all_closed_gives_bias_alone(backend):
     b, h, q, dv, d = 2, 3, 5, 4, 7
-    z = make_z(b, h, q, dv, "bhqd").requires_grad_()
-    w, bias = make_params(h, dv, d)
-    gate = torch.zeros(b, h, requires_grad=True)
+    dev = backend.device
+    z = make_z(b, h, q, dv, "bhqd", device=dev).requires_grad_()
+    w, bias = (t.to(dev) for t in make_params(h, dv, d))
+    gate = torch.zeros(b, h, device=dev, requires_grad=True)
     for rescale in (False, True):
         out = backend.head_merge(z, w, bias, head_gate=gate, rescale=rescale)
         assert torch.equal(out, bias.expand(b, q, d))
@@ -191,16 +193,17 @@ def test_all_closed_gives_bias_alone(backend):
         assert torch.equal(z.grad, torch.zeros_like(z))
         assert torch.isfinite(gate.grad).all()
         z.grad = gate.grad = None
-    assert torch.equal(backend.head_merge(z, w, head_gate=torch.zeros(h)), torch.zeros(b, q, d))
+    assert torch.equal(backend.head_merge(z, w, head_gate=torch.zeros(h, device=dev)), torch.zeros(b, q, d, device=dev))
 
 
 def test_closed_heads_are_not_read(backend):
     """A gate of exactly 0 skips the head: NaN in a closed head's z does not reach the
     output (a dense mask would give NaN * 0 = NaN), nor grad_weight_o."""
     b, h, q, dv, d = 2, 4, 5, 8, 9
-    z = make_z(b, h, q, dv, "bqhd_view").clone()
-    w, bias = make_params(h, dv, d)
-    gate = torch.ones(b, h)
+    dev = backend.device
+    z = make_z(b, h, q, dv, "bqhd_view", device=dev).clone()
+    w, bias = (t.to(dev) for t in make_params(h, dv, d))
+    gate = torch.ones(b, h, device=dev)
     gate[0, 1] = 0
     gate[1, 2] = 0
     z_nan = z.clone()
@@ -219,15 +222,16 @@ def test_closed_heads_are_not_read(backend):
 
 def test_stats_against_explicit_per_head_products(backend):
     b, h, q, dv, d = 2, 3, 37, 16, 70
-    z = make_z(b, h, q, dv, "sliced")
-    w, bias = make_params(h, dv, d)
-    gate = torch.tensor([1.0, 0.0, 0.5])
+    dev = backend.device
+    z = make_z(b, h, q, dv, "sliced", device=dev)
+    w, bias = (t.to(dev) for t in make_params(h, dv, d))
+    gate = torch.tensor([1.0, 0.0, 0.5], device=dev)
     _, st = backend.head_merge(z, w, bias, head_gate=gate, return_stats=True)
     assert st.z_norm.shape == (b, q, h) and st.z_norm.dtype == torch.float32
     for hh in range(h):
         contrib = z[:, hh] @ w[:, hh * dv : (hh + 1) * dv].t()  # [B, Q, D], ungated
-        want_z = z[:, hh].norm(dim=-1) if gate[hh] != 0 else torch.zeros(b, q)
-        want_o = contrib.norm(dim=-1) if gate[hh] != 0 else torch.zeros(b, q)
+        want_z = z[:, hh].norm(dim=-1) if gate[hh] != 0 else torch.zeros(b, q, device=dev)
+        want_o = contrib.norm(dim=-1) if gate[hh] != 0 else torch.zeros(b, q, device=dev)
         torch.testing.assert_close(st.z_norm[:, :, hh], want_z, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(st.out_norm[:, :, hh], want_o, rtol=1e-4, atol=1e-5)
     # Stats do not change the output.
@@ -248,6 +252,7 @@ def test_out_norm_keeps_relative_accuracy_for_a_near_dead_head(backend):
     w = torch.randn(d, h * dv, generator=gen) / dv ** 0.5
     u = torch.randn(d, generator=gen)
     w[:, :dv] = 10 * torch.outer(u, v) + 1e-4 * torch.randn(d, dv, generator=gen)
+    z, w = z.to(backend.device), w.to(backend.device)
     _, st = backend.head_merge(z, w, return_stats=True)
     want = (z[:, 0].double() @ w[:, :dv].double().t()).norm(dim=-1)
     assert want.max() < 1e-3 * z[:, 0].norm(dim=-1).min() * w[:, :dv].norm()

@@ -11,15 +11,16 @@ from headwise.testing import rel_err
 TOL = 2.5e-6
 
 
-def make_chain(d, layers, heads, seed=0):
+def make_chain(d, layers, heads, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     sublayers = [torch.nn.Linear(d, d) for _ in range(layers)]
     for layer in sublayers:
         with torch.no_grad():
             layer.weight.copy_(torch.randn(d, d, generator=gen) / d**0.5)
             layer.bias.copy_(0.1 * torch.randn(d, generator=gen))
-    queries = [torch.nn.Parameter(0.3 * torch.randn(d, generator=gen)) for _ in range(layers + 1)]
-    norms = [torch.nn.Parameter(1 + 0.1 * torch.randn(d, generator=gen)) for _ in range(layers + 1)]
+        layer.to(device)
+    queries = [torch.nn.Parameter((0.3 * torch.randn(d, generator=gen)).to(device)) for _ in range(layers + 1)]
+    norms = [torch.nn.Parameter((1 + 0.1 * torch.randn(d, generator=gen)).to(device)) for _ in range(layers + 1)]
     return sublayers, queries, norms
 
 
@@ -28,7 +29,7 @@ def run_chain(x, sublayers, queries, norms, heads, ops, mode):
     routing over all states. mode "buffer" uses DepthBuffer, "per_call" stacks states."""
     layers = len(sublayers)
     if mode == "buffer":
-        buf = headwise.DepthBuffer(layers + 1, *x.shape, ops=ops)
+        buf = headwise.DepthBuffer(layers + 1, *x.shape, device=x.device, ops=ops)
         state = x
         for i in range(layers + 1):
             buf.write(i, state)
@@ -55,11 +56,11 @@ def grads_of(x, params, out, grad):
                                             pytest.param(512, 3, 2, id="512-3-2-whole-warp-heads")])
 def test_buffer_gradients_equal_per_call(backend, d, layers, heads):
     torch.manual_seed(1)
-    x0 = torch.randn(2, 5, d)
-    grad = torch.randn(2, 5, d)
+    x0 = torch.randn(2, 5, d, device=backend.device)
+    grad = torch.randn(2, 5, d, device=backend.device)
     results = {}
     for mode in ("buffer", "per_call"):
-        sublayers, queries, norms = make_chain(d, layers, heads)
+        sublayers, queries, norms = make_chain(d, layers, heads, device=backend.device)
         x = x0.clone().requires_grad_()
         out = run_chain(x, sublayers, queries, norms, heads, backend, mode)
         params = [p for layer in sublayers for p in layer.parameters()] + queries + norms

@@ -45,12 +45,13 @@ def loss_and_grads(model, tokens):
 @pytest.mark.parametrize("residual", ["attnres", "mhar", "cumulative_mhar"])
 def test_buffer_and_per_call_agree_on_a_4_layer_model(backend, residual):
     torch.manual_seed(0)
-    tokens = torch.randint(0, 61, (2, 9))
+    tokens = torch.randint(0, 61, (2, 9), device=backend.device)
     results = {}
     for impl in ("buffer", "per_call"):
         torch.manual_seed(0)
         model = Decoder(tiny(residual, impl), ops=backend)
         randomize_routers(model)
+        model.to(backend.device)
         results[impl] = loss_and_grads(model, tokens)
     (loss_b, grads_b), (loss_p, grads_p) = results["buffer"], results["per_call"]
     assert rel_err(loss_b, loss_p) <= TOL

@@ -133,14 +133,15 @@ def test_q_only_and_kv_only(backend):
     q_b = args["bias"][list(layout.rows(("q",)))]
     kv_b = args["bias"][list(layout.rows(("k", "v")))]
     x_src = torch.randn(2, 7, 37).to(backend.device)
+    rope7 = tuple(t.to(backend.device) for t in rope_tables(7, layout.head_dim))
     q = backend.q_project(args["x"], q_w, q_b, layout=layout, q_norm=kw["q_norm"], rope=kw["rope"],
                           scale_q=kw["scale_q"])
     k, v = backend.kv_project(x_src, kv_w, kv_b, layout=layout, k_norm=kw["k_norm"],
-                              rope=tuple(t.to(backend.device) for t in rope_tables(7, layout.head_dim)))
+                              rope=rope7)
     eq = reference.q_project(args["x"], q_w, q_b, layout=layout, q_norm=kw["q_norm"], rope=kw["rope"],
                              scale_q=kw["scale_q"])
     ek, ev = reference.kv_project(x_src, kv_w, kv_b, layout=layout, k_norm=kw["k_norm"],
-                                  rope=tuple(t.to(backend.device) for t in rope_tables(7, layout.head_dim)))
+                                  rope=rope7)
     # The self-attention projection gives the same Q (and K, V for the same input).
     full_q, _, _ = reference.qkv_project(args["x"], args["weight"], args["bias"], **kw)
     assert rel_err(eq, full_q) <= FP32_TOL
@@ -151,10 +152,10 @@ def test_q_only_and_kv_only(backend):
     xs = x_src.clone().requires_grad_()
     w = kv_w.clone().requires_grad_()
     kn = kw["k_norm"].clone().requires_grad_()
-    k, v = backend.kv_project(xs, w, None, layout=layout, k_norm=kn, rope=rope_tables(7, 8))
+    k, v = backend.kv_project(xs, w, None, layout=layout, k_norm=kn, rope=rope7)
     (k.square().sum() + v.sum()).backward()
     xs2, w2, kn2 = (t.detach().clone().requires_grad_() for t in (x_src, kv_w, kw["k_norm"]))
-    ek, ev = reference.kv_project(xs2, w2, None, layout=layout, k_norm=kn2, rope=rope_tables(7, 8))
+    ek, ev = reference.kv_project(xs2, w2, None, layout=layout, k_norm=kn2, rope=rope7)
     (ek.square().sum() + ev.sum()).backward()
     for a, b_ in ((xs, xs2), (w, w2), (kn, kn2)):
         assert rel_err(a.grad, b_.grad) <= FP32_TOL
