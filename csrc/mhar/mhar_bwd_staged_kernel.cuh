@@ -22,8 +22,11 @@
 //     [n][item][tid], and a head's warp its N weights (4-byte cp.async.ca) into s_w; one
 //     commit group per 2 rows, dout and the weights in the first. The next position's
 //     copies are issued as pass 2 frees each group's slots, so they travel during the rest
-//     of this position. A lane reads only its own slots (no barrier guards them); the
-//     weights are read by the head's other lanes after a wait and a __syncwarp.
+//     of this position. The SIMT pass 1 and pass 2 read only a lane's own slots; the
+//     tensor-core pass 1 reads its warp's rows and dout by ldmatrix after a wait and a
+//     __syncwarp, and the position's barrier orders those reads before pass 2's copies
+//     into the slots; the weights are read by the head's other lanes after a wait and a
+//     __syncwarp.
 //   - Thread layout (the staged forward's): thread (warp w, lane l) holds vectors
 //     v = 64 w + 32 i + l (i < 2); a head of 64 vectors is one warp, a head of kv <= 32 a
 //     segment of kv lanes of one item. So a, b and every per-head scalar are warp or

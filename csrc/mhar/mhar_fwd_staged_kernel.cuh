@@ -481,7 +481,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
           float den = run_den[s];
           if (new_max > old_max) {
             if (old_max != -INFINITY) {
-              const float alpha = hw::exp_ftz(old_max - new_max);
+              const float alpha = hw::softmax_exp<T>(old_max - new_max);
               den *= alpha;
               HW_UNROLL
               for (int i = 0; i < ITEMS; ++i) {
@@ -495,7 +495,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
           float prob[R];
           HW_UNROLL
           for (int j = 0; j < R; ++j) {
-            prob[j] = hw::exp_ftz(logit[j][s] - new_max);
+            prob[j] = hw::softmax_exp<T>(logit[j][s] - new_max);
             den += prob[j];
           }
           HW_UNROLL
@@ -549,7 +549,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_staged_kernel(cons
     }
     __syncthreads();
     // The next position writes s_logit, s_max and s_den only after its pass-A barrier.
-    store_position_weights(p, pos, s_logit, s_max, s_den);
+    store_position_weights<T>(p, pos, s_logit, s_max, s_den);
   }
 }
 

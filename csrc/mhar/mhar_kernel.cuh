@@ -616,7 +616,8 @@ class HeadSums {
 // The forwards' last step of a position, after a barrier: w[n,h] = exp(l[n,h] - max_h) /
 // den_h from the raw logits s_logit [N, H], s_max [H] and s_den [H] (1 / den), written
 // once by threads over (n, h). In w [N, B, T, H] the H weights of each n are contiguous
-// (coalesced).
+// (coalesced). T: the sources' type (softmax_exp's precision).
+template <typename T>
 __device__ __forceinline__ void store_position_weights(const FwdParams& p, int64_t pos, const float* s_logit,
                                                        const float* s_max, const float* s_den) {
   const int heads = static_cast<int>(p.route.heads);
@@ -624,7 +625,7 @@ __device__ __forceinline__ void store_position_weights(const FwdParams& p, int64
   for (int e = threadIdx.x; e < nh; e += blockDim.x) {
     const int n = e / heads;
     const int h = e - n * heads;
-    p.weights[(n * p.route.positions + pos) * heads + h] = hw::exp_ftz(s_logit[e] - s_max[h]) * s_den[h];
+    p.weights[(n * p.route.positions + pos) * heads + h] = hw::softmax_exp<T>(s_logit[e] - s_max[h]) * s_den[h];
   }
 }
 
@@ -635,9 +636,10 @@ __device__ __forceinline__ void store_position_weights(const FwdParams& p, int64
 // odd N's last stage issues one row, not a zero row). The head's first thread keeps
 // the raw logits in smem; at the end each weight is written once, as
 // w[n,h] = exp(l[n,h] - max_h) / den_h, by threads over (n, h) (coalesced). The
-// exponentials are hw::exp_ftz (2 instructions where expf's range reduction takes ~9;
-// its error, 2 + floor(1.173 |x|) ulp, is smallest for the weights near the max, which
-// carry the sum; the emulated build's is expf).
+// exponentials are hw::softmax_exp<T>: for 16-bit sources exp_ftz (2 instructions where
+// expf's range reduction takes ~9; its error, 2 + floor(1.173 |x|) ulp, is smallest for the
+// weights near the max, which carry the sum), for fp32 sources expf (the emulated build's
+// is expf for both).
 // Instructions per source element (the kernel issues, not HBM, set its pace at d = 4096:
 // bench/RESULTS.md): a stage unpacks each element once (bf16: a shift or a mask), and the
 // logit term is u * (q g) with u rounded two at a time (one cvt per pair), as the CPU
@@ -756,7 +758,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
           float den = run_den[i];
           if (new_max > old_max) {
             if (old_max != -INFINITY) {
-              const float alpha = hw::exp_ftz(old_max - new_max);
+              const float alpha = hw::softmax_exp<T>(old_max - new_max);
               den *= alpha;
               HW_UNROLL
               for (int k = 0; k < VEC; ++k) acc.set(i, k, acc.get(i, k) * alpha);
@@ -766,7 +768,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
           float prob[R];
           HW_UNROLL
           for (int j = 0; j < R; ++j) {
-            prob[j] = hw::exp_ftz(logit[j][i] - new_max);
+            prob[j] = hw::softmax_exp<T>(logit[j][i] - new_max);
             den += prob[j];
           }
           HW_UNROLL
@@ -818,7 +820,7 @@ __global__ void __launch_bounds__(kMaxThreads) mhar_route_fwd_kernel(const FwdPa
       }
     }
     __syncthreads();
-    store_position_weights(p, pos, s_logit, s_max, s_den);
+    store_position_weights<T>(p, pos, s_logit, s_max, s_den);
   }
 }
 
