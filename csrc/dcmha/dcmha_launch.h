@@ -141,7 +141,10 @@ inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr)
 
 // Rows of a query chunk of a buffer of row_bytes per query row: a multiple of 64 keeping it
 // under kScratchBytes (HEADWISE_DCMHA_SCRATCH_BYTES overrides it, for tests of the chunk
-// loops), at least 64, at most T rounded up to 64.
+// loops), at least 64, at most T rounded up to 64. The backward relies on the multiple: its
+// key kernel's 32-row query tiles then lie within one chunk, so the weights table's D rows
+// they read were written by this chunk's combine or lie past T (zero-filled copies). The
+// table is not zeroed, and 0 * a stale NaN would reach the slot gradients.
 inline int64_t chunk_rows_under_cap(int64_t T, int64_t row_bytes) {
   const int64_t tiles = (T + kTileRows - 1) / kTileRows;
   int64_t cap = kScratchBytes;
