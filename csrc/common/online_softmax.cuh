@@ -26,9 +26,10 @@ __device__ __forceinline__ float exp_ftz(float x) {
 #endif
 }
 
-// The softmax exponential of a kernel whose inputs are `Source`: expf (~1 ulp, torch's) for
-// fp32 inputs, whose results are compared with fp32 math; exp_ftz for 16-bit inputs, whose
-// fp32 sums it perturbs far below the 2^-8 / 2^-11 steps of their storage.
+// The softmax exponential of a kernel whose inputs are `Source`: expf (at most 2 ulp without
+// fast math, the function torch's CUDA exp calls) for fp32 inputs, whose results are
+// compared with fp32 math; exp_ftz for 16-bit inputs, whose fp32 sums it perturbs far below
+// the 2^-8 / 2^-11 steps of their storage.
 template <typename Source>
 __device__ __forceinline__ float softmax_exp(float x) {
   if constexpr (std::is_same<Source, float>::value) {
