@@ -33,6 +33,7 @@ SANITIZE_TESTS ?= .
 sanitize: $(VENV)/.deps
 	HEADWISE_SANITIZE=1 HEADWISE_FORCE_CUDA=0 $(PY) setup.py -q build_ext -b build-asan/lib -t build-asan/tmp
 	rm -rf build-asan/pkg && mkdir -p build-asan/pkg && cp -r python/headwise build-asan/pkg/
+	rm -f build-asan/pkg/headwise/*.so  # an in-place build's libraries, not sanitized
 	cp build-asan/lib/headwise/*.so build-asan/pkg/headwise/
 	cd tests && PYTHONPATH=../build-asan/pkg HEADWISE_FUZZ_EXAMPLES=5 \
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
