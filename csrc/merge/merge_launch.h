@@ -266,6 +266,15 @@ void launch_bwd_tc(const BwdParams& base, const at::Tensor& dy, const at::Tensor
                                        s.heads > 1 ? static_cast<uint64_t>(s.dv) * es : 0,
                                        s.d > 1 ? static_cast<uint64_t>(w.stride(0)) * es : 0});
   const int dw_bytes = copy_bytes_for({dy_bits, z_stride_bits(z, s)});
+  // A [B, H] gate: each head's open batch rows in ascending |gate| order, for grad_weight_o.
+  at::Tensor row_order;
+  if (p.gate.g != nullptr && p.gate.g_sb != 0 && s.batch > 1) {
+    row_order = at::empty({s.heads, s.batch}, z.options().dtype(at::kInt));
+    auto kernel = &tc::head_merge_row_order_kernel;
+    HW_LAUNCH("head_merge_row_order", kernel, dim3(cdiv(s.batch, tc::kThreads), static_cast<unsigned>(s.heads)),
+              dim3(tc::kThreads), 0, p.gate, s.batch, row_order.data_ptr<int>());
+    p.row_order = row_order.data_ptr<int>();
+  }
   with_copy_bytes<T>(dz_bytes, [&](auto bytes) {
     auto kernel = &tc::head_merge_bwd_dz_tc_kernel<T, decltype(bytes)::value>;
     hw::allow_dynamic_smem("head_merge_backward", kernel, tc::kSmemBytes);

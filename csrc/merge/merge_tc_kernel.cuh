@@ -298,50 +298,33 @@ __device__ __forceinline__ void switch_alpha(float (&acc)[kMmaM][kMmaN][4], floa
 // The open entries (gate != 0) of a gate row (or column) in ascending (|g|, index) order,
 // the order in which the tensor-core kernels accumulate heads (or batch rows) so that the
 // alpha rescale factor alpha_prev / alpha_next stays <= max s / min s in magnitude. A NaN
-// gate sorts last (its NaN reaches the output). gate_of(i) reads entry i of n; prev is the
-// entry returned before (-1 for the first); returns n when none is left. O(n) per call,
-// once per head (or batch row) of the K loop; without gates it is index order.
+// gate sorts last (its NaN reaches the output); without gates it is index order.
 __device__ __forceinline__ float ascending_gate_key(float g) { return g != g ? INFINITY : fabsf(g); }
 
+// The rank of open entry i (key ki = ascending_gate_key(gate_of(i))) in that order: the
+// number of open entries before it. gate_of(j) reads entry j of n; O(n).
 template <typename GateOf>
-__device__ __forceinline__ int64_t next_open_ascending(const GateOf& gate_of, int64_t n, int64_t prev) {
-  const auto key = ascending_gate_key;
-  const float prev_key = prev < 0 ? 0.f : key(gate_of(prev));
-  int64_t best = n;
-  float best_key = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = gate_of(i);
-    if (g == 0.f) continue;
-    const float k = key(g);
-    const bool after = prev < 0 || k > prev_key || (k == prev_key && i > prev);
-    if (after && (best == n || k < best_key)) {
-      best = i;
-      best_key = k;
-    }
+__device__ __forceinline__ int64_t open_rank(const GateOf& gate_of, int64_t n, int64_t i, float ki) {
+  int64_t rank = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float gj = gate_of(j);
+    if (gj == 0.f) continue;
+    const float kj = ascending_gate_key(gj);
+    rank += kj < ki || (kj == ki && j < i);
   }
-  return best;
+  return rank;
 }
 
-// The same order for all n entries at once, by the whole CTA: order[rank] = i for each open
-// entry i, rank = the number of open entries before it in (|g|, index) order (O(n) per
-// entry, n / blockDim.x entries per thread). Returns the number of open entries; the
-// caller synchronizes before reading order.
+// The order for all n entries at once, by the whole CTA: order[rank] = i for each open
+// entry i (O(n) per entry, n / blockDim.x entries per thread). Returns the number of open
+// entries; the caller synchronizes before reading order.
 template <typename GateOf>
 __device__ __forceinline__ int64_t rank_open_heads(const GateOf& gate_of, int64_t n, int* order) {
   int64_t open = 0;
   for (int64_t j = 0; j < n; ++j) open += gate_of(j) != 0.f;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     const float gi = gate_of(i);
-    if (gi == 0.f) continue;
-    const float ki = ascending_gate_key(gi);
-    int64_t rank = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      const float gj = gate_of(j);
-      if (gj == 0.f) continue;
-      const float kj = ascending_gate_key(gj);
-      rank += kj < ki || (kj == ki && j < i);
-    }
-    order[rank] = static_cast<int>(i);
+    if (gi != 0.f) order[open_rank(gate_of, n, i, ascending_gate_key(gi))] = static_cast<int>(i);
   }
   return open;
 }
@@ -825,7 +808,27 @@ __device__ __forceinline__ void ldmatrix_b_trans(uint32_t (&b0)[2], uint32_t (&b
 // dv_tiles] of this file's tiles) and this file's tile counts.
 struct TcBwdParams : BwdParams {
   int64_t q_tiles, dv_tiles, d_tiles;
+  // grad_weight_o's open batch rows of each head in ascending |gate| order, [H, B] (row h:
+  // its open rows first; head_merge_row_order_kernel) for a [B, H] gate; nullptr when
+  // every row of a head has the head's gate ([H] gate or none): index order.
+  const int* row_order;
 };
+
+// grad_weight_o's batch-row order for a [B, H] gate: row_order[h * B + rank] = b for each
+// open (b, h), rank = open_rank over head h's column. grid (cdiv(B, kThreads), H),
+// kThreads threads, a thread per (b, h): O(B) compares each (the warp's gate reads of
+// entry j are one broadcast), O(B^2 H) over the GPU, and once per backward, where the
+// dw kernel's CTAs would each scan the column twice per batch row (O(B^2) a thread).
+__global__ void __launch_bounds__(kThreads) head_merge_row_order_kernel(const Gate gate, int64_t batch,
+                                                                        int* row_order) {
+  const int64_t h = blockIdx.y;
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (b >= batch) return;
+  const auto gate_of_row = [&](int64_t bb) { return gate.at(bb, h); };
+  const float g = gate_of_row(b);
+  if (g == 0.f) return;
+  row_order[h * batch + open_rank(gate_of_row, batch, b, ascending_gate_key(g))] = static_cast<int>(b);
+}
 
 // grad_z and c: grid (B * H * q_tiles * dv_tiles), kThreads threads, kSmemBytes:
 // blockIdx.x = ((b * H + h) * q_tiles + q tile) * dv_tiles + Dv tile. K loop over D in
@@ -944,9 +947,11 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
   int open = 0;
   for (int64_t b = 0; b < p.batch; ++b) open += p.gate.at(b, h) != 0.f;
   const int k_tiles = open * q_slices;
-  // Open batch rows in ascending |gate| order (as the forward's heads). The issue cursor
-  // keeps the offsets of its slice in dy and z and moves them by 32 rows a slice.
-  const auto gate_of_row = [&](int64_t bb) { return p.gate.at(bb, h); };
+  // Open batch rows in ascending |gate| order (as the forward's heads): the i-th is
+  // open_row(i). The issue cursor keeps the offsets of its slice in dy and z and moves
+  // them by 32 rows a slice.
+  const int* row_order = p.row_order ? p.row_order + h * p.batch : nullptr;
+  const auto open_row = [&](int i) -> int64_t { return row_order ? row_order[i] : i; };
   TransSliceCopy<T, CopyBytes> copy_a(dy, p.d, rows_m), copy_b(z, p.z_sq, cols);
   constexpr int64_t kSize = sizeof(T);
   const int64_t dy_step = kTransK * p.d * kSize, z_step = kTransK * p.z_sq * kSize;  // bytes per slice
@@ -954,9 +959,8 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
     copy_a.seek(bb * p.seq * p.d * kSize);
     copy_b.seek(bb * p.z_sb * kSize);
   };
-  int64_t issue_b = next_open_ascending(gate_of_row, p.batch, -1);
-  int issue_slice = 0, issue_stage = 0;
-  if (issue_b < p.batch) seek_row(issue_b);
+  int issue_row = 0, issue_slice = 0, issue_stage = 0;  // issue_row: the open row's index i
+  if (open > 0) seek_row(open_row(0));
   auto issue = [&](int kt) {
     if (kt < k_tiles) {
       const int q_left = seq - issue_slice * kTransK;
@@ -964,8 +968,7 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
       copy_b(b_slice(ring, issue_stage), q_left, z);
       if (++issue_slice == q_slices) {
         issue_slice = 0;
-        issue_b = next_open_ascending(gate_of_row, p.batch, issue_b);
-        if (issue_b < p.batch) seek_row(issue_b);
+        if (++issue_row < open) seek_row(open_row(issue_row));
       } else {
         copy_a.advance(dy_step);
         copy_b.advance(z_step);
@@ -985,13 +988,12 @@ __global__ void __launch_bounds__(kThreads, 2) head_merge_bwd_dw_tc_kernel(TcBwd
                               a_trans_lane(wm + 48, lane), kTileBytes + b_trans_lane(wn, lane),
                               kTileBytes + b_trans_lane(wn + 16, lane), kTileBytes + b_trans_lane(wn + 32, lane),
                               kTileBytes + b_trans_lane(wn + 48, lane)});
-  int64_t comp_b = -1;
-  int comp_slice = q_slices - 1;
+  int comp_row = -1, comp_slice = q_slices - 1;
   float alpha_cur = 1.f;
   for (int kt = 0; kt < k_tiles; ++kt) {
     if (++comp_slice == q_slices) {
       comp_slice = 0;
-      comp_b = next_open_ascending(gate_of_row, p.batch, comp_b);
+      const int64_t comp_b = open_row(++comp_row);
       switch_alpha(acc, alpha_cur, p.gate.scale(comp_b) * p.gate.at(comp_b, h), kt == 0);
     }
     hw::cp_async_wait<kStages - 2>();

@@ -703,6 +703,39 @@ def test_tensor_core_gates_of_any_range(kernel_backend, dtype):
         assert rel_err(gw, gw64) <= 1e-2 and rel_err(gz, gz64) <= 1e-2, rescale
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_tensor_core_backward_many_rows_in_ascending_gate_order(kernel_backend, dtype):
+    """grad_weight_o with a [B, H] gate over 133 batch rows (two CTAs of the row-order
+    kernel): head 0's rows alternate between gates in [0.5, 1] and in [1e-39, 2e-39], head
+    1's span 1 to 1e-39 with ties, both with closed rows. The accumulators visit each
+    head's open rows in ascending |gate| order, so no rescale factor overflows; in index
+    order each step from ~1 to ~1e-39 would scale them by ~1e39 (inf in fp32)."""
+    dev = kernel_backend.device
+    b, h, q, dv, d = 133, 3, 2, 24, 40
+    gen = torch.Generator().manual_seed(11)
+    u = torch.rand(b, generator=gen)
+    gate = torch.empty(b, h)
+    gate[:, 0] = torch.where(torch.arange(b) % 2 == 0, 0.5 + 0.5 * u, 1e-39 * (1 + u))
+    gate[:, 1] = torch.pow(10.0, -39 * torch.rand(b, generator=gen))
+    gate[5::7, 1] = gate[4, 1]  # ties, broken by row index
+    gate[:, :2][torch.rand(b, 2, generator=gen) < 0.2] = 0.0  # closed rows of heads 0 and 1
+    gate[:, 2] = 0.5  # a column of one value: index order
+    gate = gate.to(dev)
+    z = make_tc_z(b, h, q, dv, "bhqd", dtype, device=dev).requires_grad_()
+    w, bias = (t.to(dev) for t in make_params(h, dv, d, dtype=dtype))
+    w.requires_grad_()
+    dy = torch.randn(b, q, d, generator=gen).to(dev, dtype)
+    for rescale in (False, True):
+        grads = [torch.autograd.grad(kernel_backend.head_merge(z, w, bias, head_gate=gate, rescale=rescale), (z, w), dy)
+                 for _ in range(2)]
+        z64, w64 = z.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        gz64, gw64 = torch.autograd.grad(merge64(z64, w64, bias, gate, rescale), (z64, w64), dy.double())
+        (gz, gw), again = grads
+        assert torch.equal(gw, again[1]) and torch.equal(gz, again[0]), rescale
+        assert torch.isfinite(gw).all(), rescale
+        assert rel_err(gw, gw64) <= 1e-2 and rel_err(gz, gz64) <= 1e-2, rescale
+
+
 def test_fp32_follows_torch_matmul_precision():
     """fp32: TF32 tensor cores only when torch lets matmuls use TF32, else full precision."""
     sim = headwise.testing.backend("sim")
