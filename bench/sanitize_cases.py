@@ -21,8 +21,8 @@ QKV_CASES = [
     (headwise.QKVLayout(2, 1, 256, 131), 1, 3, 37, True),
 ]
 
-# (B, H, Q, Dv, D) for head_merge.
-MERGE_CASES = [(2, 3, 37, 8, 70), (1, 5, 3, 67, 9), (2, 2, 33, 64, 65)]
+# (B, H, Q, Dv, D) for head_merge; B = 133: the batch-row order of a [B, H] gate over two CTAs.
+MERGE_CASES = [(2, 3, 37, 8, 70), (1, 5, 3, 67, 9), (2, 2, 33, 64, 65), (133, 2, 1, 8, 16)]
 # (B, H, T, dh, head_groups, window) for dcmha_attention: one and several query tiles,
 # dh not a multiple of 16, head groups, a window.
 DCMHA_CASES = [(1, 4, 37, 16, 1, None), (2, 4, 70, 24, 2, None), (1, 3, 65, 64, 1, 17)]
