@@ -21,7 +21,7 @@ QKV_CASES = [
     (headwise.QKVLayout(2, 1, 256, 131), 1, 3, 37, True),
 ]
 
-# (B, H, Q, Dv, D) for head_merge; B = 133: the batch-row order of a [B, H] gate over two CTAs.
+# (B, H, Q, Dv, D) for head_merge; B = 133: the batch-row order of a [B, H] gate (bf16).
 MERGE_CASES = [(2, 3, 37, 8, 70), (1, 5, 3, 67, 9), (2, 2, 33, 64, 65), (133, 2, 1, 8, 16)]
 # (B, H, T, dh, head_groups, window) for dcmha_attention: one and several query tiles,
 # dh not a multiple of 16, head groups, a window.
@@ -60,18 +60,27 @@ def main():
             (q.float().sum() + k.float().square().sum() + v.float().sum()).backward()
     # Head merge: odd shapes beyond one tile, both z layouts, gates (closed heads skipped,
     # gate gradient through closed heads), rescale, stats.
-    for b, h, q, dv, d in MERGE_CASES:
+    def merge(b, h, q, dv, d, dtype):
+        z = torch.randn(b, q, h, dv, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+        w = torch.randn(d, h * dv, device="cuda", dtype=dtype, requires_grad=True)
+        bias = torch.randn(d, device="cuda", dtype=dtype, requires_grad=True)
+        gate = torch.rand(b, h, device="cuda")
+        gate[0, 0] = 0
+        gate.requires_grad_()
+        out, _ = headwise.head_merge(z, w, bias, head_gate=gate, rescale=True, return_stats=True)
+        out.float().sum().backward()
+        out = headwise.head_merge(torch.randn(b, h, q, dv, device="cuda", dtype=dtype), w, None,
+                                  head_gate=(gate.detach() > 0.5).float())
+
+    for case in MERGE_CASES:
         for dtype in (torch.float32, torch.bfloat16):
-            z = torch.randn(b, q, h, dv, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
-            w = torch.randn(d, h * dv, device="cuda", dtype=dtype, requires_grad=True)
-            bias = torch.randn(d, device="cuda", dtype=dtype, requires_grad=True)
-            gate = torch.rand(b, h, device="cuda")
-            gate[0, 0] = 0
-            gate.requires_grad_()
-            out, _ = headwise.head_merge(z, w, bias, head_gate=gate, rescale=True, return_stats=True)
-            out.float().sum().backward()
-            out = headwise.head_merge(torch.randn(b, h, q, dv, device="cuda", dtype=dtype), w, None,
-                                      head_gate=(gate.detach() > 0.5).float())
+            merge(*case, dtype)
+    # The B = 133 order again as 32-row chunks sorted apart and ranked across (the sort
+    # kernel's multi-chunk path and the rank kernel).
+    os.environ["HEADWISE_MERGE_ROW_SORT_CHUNK"] = "32"
+    merge(*MERGE_CASES[-1], torch.bfloat16)
+    del os.environ["HEADWISE_MERGE_ROW_SORT_CHUNK"]
+
     def dcmha(b, h, t, dh, groups, window, dtype):
         q, k, v = (torch.randn(b, h, t, dh, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
         w1 = torch.randn(b, t, 4, 2, h, device="cuda", dtype=dtype, requires_grad=True)

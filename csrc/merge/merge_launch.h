@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <tuple>
@@ -249,6 +250,19 @@ void launch_stats_tc(const at::Tensor& z, const at::Tensor& weight_o, const Gate
   finalize_stats(z_norm, part, out_norm, p.n_tiles);
 }
 
+// The batch rows a CTA of tc::head_merge_row_sort_kernel sorts: tc::kSortChunk, or
+// HEADWISE_MERGE_ROW_SORT_CHUNK (a power of two from 2 to kSortChunk), with which the tests
+// run the sort-and-rank path at a small B.
+inline int row_sort_chunk() {
+  const char* env = std::getenv("HEADWISE_MERGE_ROW_SORT_CHUNK");
+  if (env == nullptr || env[0] == '\0') return tc::kSortChunk;
+  const long v = std::strtol(env, nullptr, 10);
+  TORCH_CHECK_VALUE(v >= 2 && v <= tc::kSortChunk && (v & (v - 1)) == 0,
+                    "headwise.head_merge_backward: HEADWISE_MERGE_ROW_SORT_CHUNK must be a power of two from 2 to ",
+                    tc::kSortChunk, ", got '", env, "'");
+  return static_cast<int>(v);
+}
+
 // Launches the tensor-core grad_z (+ c partials) and grad_weight_o kernels (16-bit types).
 // `base`: the SIMT kernels' parameters, which the tensor-core ones extend by their tile
 // counts (c_part sized for the tensor-core tiles).
@@ -266,13 +280,25 @@ void launch_bwd_tc(const BwdParams& base, const at::Tensor& dy, const at::Tensor
                                        s.heads > 1 ? static_cast<uint64_t>(s.dv) * es : 0,
                                        s.d > 1 ? static_cast<uint64_t>(w.stride(0)) * es : 0});
   const int dw_bytes = copy_bytes_for({dy_bits, z_stride_bits(z, s)});
-  // A [B, H] gate: each head's open batch rows in ascending |gate| order, for grad_weight_o.
-  at::Tensor row_order;
+  // A [B, H] gate: each head's open batch rows in ascending |gate| order, for grad_weight_o
+  // (merge_tc_kernel.cuh, head_merge_row_sort_kernel).
+  at::Tensor row_order, sorted_keys;
   if (p.gate.g != nullptr && p.gate.g_sb != 0 && s.batch > 1) {
+    const int chunk = row_sort_chunk();
+    const int64_t chunks = cdiv(s.batch, chunk);
     row_order = at::empty({s.heads, s.batch}, z.options().dtype(at::kInt));
-    auto kernel = &tc::head_merge_row_order_kernel;
-    HW_LAUNCH("head_merge_row_order", kernel, dim3(cdiv(s.batch, tc::kThreads), static_cast<unsigned>(s.heads)),
-              dim3(tc::kThreads), 0, p.gate, s.batch, row_order.data_ptr<int>());
+    if (chunks > 1) sorted_keys = at::empty({s.heads, chunks, chunk}, z.options().dtype(at::kLong));
+    uint64_t* keys = chunks > 1 ? reinterpret_cast<uint64_t*>(sorted_keys.data_ptr<int64_t>()) : nullptr;
+    const unsigned heads = static_cast<unsigned>(s.heads);
+    auto sort = &tc::head_merge_row_sort_kernel;
+    HW_LAUNCH("head_merge_row_sort", sort, dim3(static_cast<unsigned>(chunks), heads), dim3(tc::kSortThreads), 0,
+              p.gate, s.batch, chunk, keys, row_order.data_ptr<int>());
+    if (chunks > 1) {
+      auto rank = &tc::head_merge_row_rank_kernel;
+      HW_LAUNCH("head_merge_row_rank", rank, dim3(cdiv(s.batch, tc::kThreads), heads), dim3(tc::kThreads), 0,
+                p.gate, s.batch, chunk, static_cast<int>(chunks), static_cast<const uint64_t*>(keys),
+                row_order.data_ptr<int>());
+    }
     p.row_order = row_order.data_ptr<int>();
   }
   with_copy_bytes<T>(dz_bytes, [&](auto bytes) {

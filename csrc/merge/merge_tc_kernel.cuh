@@ -809,25 +809,106 @@ __device__ __forceinline__ void ldmatrix_b_trans(uint32_t (&b0)[2], uint32_t (&b
 struct TcBwdParams : BwdParams {
   int64_t q_tiles, dv_tiles, d_tiles;
   // grad_weight_o's open batch rows of each head in ascending |gate| order, [H, B] (row h:
-  // its open rows first; head_merge_row_order_kernel) for a [B, H] gate; nullptr when
+  // its open rows first; head_merge_row_sort_kernel) for a [B, H] gate; nullptr when
   // every row of a head has the head's gate ([H] gate or none): index order.
   const int* row_order;
 };
 
-// grad_weight_o's batch-row order for a [B, H] gate: row_order[h * B + rank] = b for each
-// open (b, h), rank = open_rank over head h's column. grid (cdiv(B, kThreads), H),
-// kThreads threads, a thread per (b, h): O(B) compares each (the warp's gate reads of
-// entry j are one broadcast), O(B^2 H) over the GPU, and once per backward, where the
-// dw kernel's CTAs would each scan the column twice per batch row (O(B^2) a thread).
-__global__ void __launch_bounds__(kThreads) head_merge_row_order_kernel(const Gate gate, int64_t batch,
-                                                                        int* row_order) {
+// grad_weight_o's batch-row order for a [B, H] gate: row_order[h * B + i] = the i-th open
+// row b of head h in open_rank's order, (ascending_gate_key, b) ascending. A row's sort key
+// packs both into one integer, row_sort_key = key bits << 32 | b (a non-negative float's
+// bits order as the float does; +inf, a NaN gate's key, is the largest); a closed row's is
+// kClosedRowKey, after every open one. Two kernels, O(B log^2 C + B ceil(B / C) log C)
+// work a head for C-row chunks (where open_rank over the column would be O(B^2)):
+//   head_merge_row_sort_kernel: grid (ceil(B / chunk), H), kSortThreads threads. The CTA
+//     sorts its chunk of the head's keys in shared memory (a bitonic network over the
+//     chunk's length rounded up to a power of two, padded with kClosedRowKey; one barrier
+//     a step). A single chunk (B <= chunk) is the whole order: the CTA writes row_order.
+//     Otherwise it writes the sorted chunk (padding included) to sorted_keys [H, chunks,
+//     chunk].
+//   head_merge_row_rank_kernel (B > chunk only): grid (ceil(B / kThreads), H), a thread per
+//     (b, h): b's rank is the number of keys below its key in every sorted chunk (a binary
+//     search each: chunks * log2(chunk) reads), and row_order[h * B + rank] = b.
+// chunk is kSortChunk (32 KiB of keys, under every part's 48 KiB static limit) or a smaller
+// power of two (HEADWISE_MERGE_ROW_SORT_CHUNK, for the tests of the two-kernel path).
+// Budget at B = 16384, H = 32 (ESTIMATE): 128 sort CTAs of 78 steps; 524,288 rank threads of
+// 4 x 12 dependent 8-byte reads from 128 KiB of a head's keys (L2): ~10-20 us, where the
+// column scan (open_rank a thread) was 8.6 G compares, ~2-3 ms.
+constexpr int kSortThreads = 512;
+constexpr int kSortChunk = 4096;
+constexpr uint64_t kClosedRowKey = ~uint64_t{0};
+
+__device__ __forceinline__ uint64_t row_sort_key(float g, int64_t b) {
+  if (g == 0.f) return kClosedRowKey;
+  return static_cast<uint64_t>(__float_as_uint(ascending_gate_key(g))) << 32 | static_cast<uint32_t>(b);
+}
+
+// Key i's 8-byte slot in the sort's shared array: i with its low 4 bits (its bank pair)
+// XORed by F(bits 4-5 of i), F(0..3) = 0000, 1101, 0110, 1011. A warp's compare-exchange
+// step j = 2^m < 16 reads 32 keys i with bit m = 0 from 64 aligned keys, 8 from each run of
+// 16: unswizzled, the 8 bank pairs with bit m = 0, each 4 times (4 wavefronts where 256
+// bytes need 2); F sets bit m in two of the four runs, so each bank pair is read twice.
+// Steps j >= 16 and the fills read whole runs of 16 keys.
+__device__ __forceinline__ int sort_slot(int i) { return i ^ ((0xB6D0 >> (((i >> 4) & 3) * 4)) & 0xF); }
+
+__global__ void __launch_bounds__(kSortThreads) head_merge_row_sort_kernel(const Gate gate, int64_t batch, int chunk,
+                                                                           uint64_t* sorted_keys, int* row_order) {
+  __shared__ uint64_t keys[kSortChunk];
+  const int64_t h = blockIdx.y;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * chunk;
+  const int rows = static_cast<int>(batch - b0 < chunk ? batch - b0 : chunk);
+  // The network's length: rows rounded up to a power of two (a whole chunk when there are
+  // several, so that every sorted chunk in sorted_keys has the same length).
+  int n = 1;
+  while (n < rows) n <<= 1;
+  if (sorted_keys) n = chunk;
+  for (int i = threadIdx.x; i < n; i += kSortThreads)
+    keys[sort_slot(i)] = i < rows ? row_sort_key(gate.at(b0 + i, h), b0 + i) : kClosedRowKey;
+  __syncthreads();
+  // Bitonic sort: merge sizes k = 2, 4, .., n; within each, compare-exchange partners j
+  // apart (j = k / 2, .., 1); pair t's low element is t with a 0 bit inserted at log2(j),
+  // and it ends ascending when bit k of it is 0.
+  for (int k = 2; k <= n; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int t = threadIdx.x; t < n / 2; t += kSortThreads) {
+        const int lo = 2 * t - (t & (j - 1)), lo_slot = sort_slot(lo), hi_slot = sort_slot(lo + j);
+        const uint64_t a = keys[lo_slot], c = keys[hi_slot];
+        if ((a > c) == ((lo & k) == 0)) {
+          keys[lo_slot] = c;
+          keys[hi_slot] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  if (sorted_keys) {
+    uint64_t* out = sorted_keys + (h * gridDim.x + blockIdx.x) * static_cast<int64_t>(chunk);
+    for (int i = threadIdx.x; i < n; i += kSortThreads) out[i] = keys[sort_slot(i)];
+  } else {
+    for (int i = threadIdx.x; i < rows; i += kSortThreads) {
+      const uint64_t key = keys[sort_slot(i)];
+      if (key != kClosedRowKey) row_order[h * batch + i] = static_cast<int>(key & 0xffffffffu);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) head_merge_row_rank_kernel(const Gate gate, int64_t batch, int chunk,
+                                                                       int chunks, const uint64_t* sorted_keys,
+                                                                       int* row_order) {
   const int64_t h = blockIdx.y;
   const int64_t b = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (b >= batch) return;
-  const auto gate_of_row = [&](int64_t bb) { return gate.at(bb, h); };
-  const float g = gate_of_row(b);
-  if (g == 0.f) return;
-  row_order[h * batch + open_rank(gate_of_row, batch, b, ascending_gate_key(g))] = static_cast<int>(b);
+  const uint64_t key = row_sort_key(gate.at(b, h), b);
+  if (key == kClosedRowKey) return;
+  int64_t rank = 0;
+  for (int c = 0; c < chunks; ++c) {
+    const uint64_t* sorted = sorted_keys + (h * chunks + c) * static_cast<int64_t>(chunk);
+    int below = 0;  // keys of the chunk below `key` (all keys differ: b is in them)
+    for (int step = chunk >> 1; step > 0; step >>= 1)
+      if (sorted[below + step - 1] < key) below += step;
+    rank += below + (sorted[below] < key);
+  }
+  row_order[h * batch + rank] = static_cast<int>(b);
 }
 
 // grad_z and c: grid (B * H * q_tiles * dv_tiles), kThreads threads, kSmemBytes:

@@ -703,12 +703,14 @@ def test_tensor_core_gates_of_any_range(kernel_backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_tensor_core_backward_many_rows_in_ascending_gate_order(kernel_backend, dtype):
+def test_tensor_core_backward_many_rows_in_ascending_gate_order(monkeypatch, kernel_backend, dtype):
     """grad_weight_o with a [B, H] gate over 133 batch rows (two CTAs of the row-order
     kernel): head 0's rows alternate between gates in [0.5, 1] and in [1e-39, 2e-39], head
     1's span 1 to 1e-39 with ties, both with closed rows. The accumulators visit each
     head's open rows in ascending |gate| order, so no rescale factor overflows; in index
-    order each step from ~1 to ~1e-39 would scale them by ~1e39 (inf in fp32)."""
+    order each step from ~1 to ~1e-39 would scale them by ~1e39 (inf in fp32). The order is
+    sorted in one chunk of rows (B <= 4096), or in chunks of 32 or 2 rows and ranked across
+    them (HEADWISE_MERGE_ROW_SORT_CHUNK): the same order, so the same bits."""
     dev = kernel_backend.device
     b, h, q, dv, d = 133, 3, 2, 24, 40
     gen = torch.Generator().manual_seed(11)
@@ -733,6 +735,14 @@ def test_tensor_core_backward_many_rows_in_ascending_gate_order(kernel_backend, 
         assert torch.equal(gw, gw_again) and torch.equal(gz, gz_again), rescale
         assert torch.isfinite(gw).all(), rescale
         assert rel_err(gw, gw64) <= 1e-2 and rel_err(gz, gz64) <= 1e-2, rescale
+        for chunk in ("32", "2"):
+            monkeypatch.setenv("HEADWISE_MERGE_ROW_SORT_CHUNK", chunk)
+            gz_chunked, gw_chunked = grad_z_w()
+            assert torch.equal(gw_chunked, gw) and torch.equal(gz_chunked, gz), (rescale, chunk)
+        monkeypatch.setenv("HEADWISE_MERGE_ROW_SORT_CHUNK", "48")
+        with pytest.raises(ValueError, match="HEADWISE_MERGE_ROW_SORT_CHUNK must be a power of two from 2 to 4096"):
+            grad_z_w()
+        monkeypatch.delenv("HEADWISE_MERGE_ROW_SORT_CHUNK")
 
 
 def test_fp32_follows_torch_matmul_precision():
