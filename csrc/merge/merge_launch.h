@@ -256,8 +256,9 @@ void launch_stats_tc(const at::Tensor& z, const at::Tensor& weight_o, const Gate
 inline int row_sort_chunk() {
   const char* env = std::getenv("HEADWISE_MERGE_ROW_SORT_CHUNK");
   if (env == nullptr || env[0] == '\0') return tc::kSortChunk;
-  const long v = std::strtol(env, nullptr, 10);
-  TORCH_CHECK_VALUE(v >= 2 && v <= tc::kSortChunk && (v & (v - 1)) == 0,
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && v >= 2 && v <= tc::kSortChunk && (v & (v - 1)) == 0,
                     "headwise.head_merge_backward: HEADWISE_MERGE_ROW_SORT_CHUNK must be a power of two from 2 to ",
                     tc::kSortChunk, ", got '", env, "'");
   return static_cast<int>(v);

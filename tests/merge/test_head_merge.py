@@ -739,9 +739,10 @@ def test_tensor_core_backward_many_rows_in_ascending_gate_order(monkeypatch, ker
             monkeypatch.setenv("HEADWISE_MERGE_ROW_SORT_CHUNK", chunk)
             gz_chunked, gw_chunked = grad_z_w()
             assert torch.equal(gw_chunked, gw) and torch.equal(gz_chunked, gz), (rescale, chunk)
-        monkeypatch.setenv("HEADWISE_MERGE_ROW_SORT_CHUNK", "48")
-        with pytest.raises(ValueError, match="HEADWISE_MERGE_ROW_SORT_CHUNK must be a power of two from 2 to 4096"):
-            grad_z_w()
+        for bad in ("48", "32abc", "8192"):
+            monkeypatch.setenv("HEADWISE_MERGE_ROW_SORT_CHUNK", bad)
+            with pytest.raises(ValueError, match="HEADWISE_MERGE_ROW_SORT_CHUNK must be a power of two from 2 to 4096"):
+                grad_z_w()
         monkeypatch.delenv("HEADWISE_MERGE_ROW_SORT_CHUNK")
 
 
