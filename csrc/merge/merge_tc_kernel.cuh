@@ -831,9 +831,11 @@ struct TcBwdParams : BwdParams {
 //     search each: chunks * log2(chunk) reads), and row_order[h * B + rank] = b.
 // chunk is kSortChunk (32 KiB of keys, under every part's 48 KiB static limit) or a smaller
 // power of two (HEADWISE_MERGE_ROW_SORT_CHUNK, for the tests of the two-kernel path).
-// Budget at B = 16384, H = 32 (ESTIMATE): 128 sort CTAs of 78 steps; 524,288 rank threads of
-// 4 x 12 dependent 8-byte reads from 128 KiB of a head's keys (L2): ~10-20 us, where the
-// column scan (open_rank a thread) was 8.6 G compares, ~2-3 ms.
+// Budget at B = 16384, H = 32 (ESTIMATE from the emulator's counts, bench/RESULTS.md): 128
+// sort CTAs of 78 steps, 20,480 shared wavefronts each, ~10 us; 524,288 rank threads of
+// 4 x 12 dependent 8-byte reads (divergent after the first steps: 547,050 L2 sectors a
+// head), ~56 us at most; where the column scan (open_rank a thread) was 8.6 G compares,
+// ~2-3 ms.
 constexpr int kSortThreads = 512;
 constexpr int kSortChunk = 4096;
 constexpr uint64_t kClosedRowKey = ~uint64_t{0};

@@ -704,13 +704,13 @@ def test_tensor_core_gates_of_any_range(kernel_backend, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_tensor_core_backward_many_rows_in_ascending_gate_order(monkeypatch, kernel_backend, dtype):
-    """grad_weight_o with a [B, H] gate over 133 batch rows (two CTAs of the row-order
-    kernel): head 0's rows alternate between gates in [0.5, 1] and in [1e-39, 2e-39], head
-    1's span 1 to 1e-39 with ties, both with closed rows. The accumulators visit each
-    head's open rows in ascending |gate| order, so no rescale factor overflows; in index
-    order each step from ~1 to ~1e-39 would scale them by ~1e39 (inf in fp32). The order is
-    sorted in one chunk of rows (B <= 4096), or in chunks of 32 or 2 rows and ranked across
-    them (HEADWISE_MERGE_ROW_SORT_CHUNK): the same order, so the same bits."""
+    """grad_weight_o with a [B, H] gate over 133 batch rows: head 0's rows alternate between
+    gates in [0.5, 1] and in [1e-39, 2e-39], head 1's span 1 to 1e-39 with ties, both with
+    closed rows. The accumulators visit each head's open rows in ascending |gate| order, so
+    no rescale factor overflows; in index order each step from ~1 to ~1e-39 would scale them
+    by ~1e39 (inf in fp32). The order is sorted in one chunk of rows (B <= 4096), or in
+    chunks of 32 or 2 rows and ranked across them (HEADWISE_MERGE_ROW_SORT_CHUNK): the same
+    order, so the same bits."""
     dev = kernel_backend.device
     b, h, q, dv, d = 133, 3, 2, 24, 40
     gen = torch.Generator().manual_seed(11)
