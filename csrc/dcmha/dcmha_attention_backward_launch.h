@@ -73,7 +73,9 @@ inline void launch_mma_attention_backward(const AttnParams& p, const at::Tensor&
   bp.m.pwords = kBwdPartWords;
   bp.m.dh_pad = dh_pad;
   bp.m.dv_pad = dv_pad;
-  bp.m.vec16 = rows_vec16(p, elem, {q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr()});
+  // dk, dv and their fp32 sums are fresh tensors, so aligned; listed so that vec16 does not rest on it.
+  bp.m.vec16 = rows_vec16(p, elem, {q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), dq.data_ptr(),
+                                    dk.data_ptr(), dv.data_ptr(), dk32.data_ptr(), dv32.data_ptr()});
   bp.wt = wt.data_ptr<float>();
   bp.dout = dout.data_ptr();
   bp.dq = dq.data_ptr();
