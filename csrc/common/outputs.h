@@ -4,18 +4,16 @@
 // hold the right value.
 #pragma once
 
+#include "env_settings.h"
+
 #include <ATen/ATen.h>
 
-#include <cstdlib>
 #include <limits>
 
 namespace headwise {
 
 inline bool poison_outputs() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("HEADWISE_POISON_OUTPUTS");
-    return v != nullptr && v[0] == '1';
-  }();
+  static const bool enabled = hw::env_switch("HEADWISE_POISON_OUTPUTS", false);
   return enabled;
 }
 

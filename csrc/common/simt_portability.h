@@ -12,6 +12,8 @@
 //                             stream and check the launch
 #pragma once
 
+#include "env_settings.h"
+
 #include <c10/util/Exception.h>
 
 #include <cstddef>
@@ -96,16 +98,13 @@ inline unsigned char* dynamic_shared_memory() { return hw_sim::dynamic_shared_me
 // HEADWISE_SIM_SMEM_OPTIN (bytes) lowers it to model a smaller part in tests (sm_80: 166912,
 // sm_86/89/120: 101376); hw_sim::launch still enforces sm_90's.
 inline size_t max_dynamic_smem_optin() {
-  if (const char* env = std::getenv("HEADWISE_SIM_SMEM_OPTIN")) return std::strtoull(env, nullptr, 10);
-  return 227 * 1024;
+  constexpr int64_t kSm90OptIn = 227 * 1024;
+  return static_cast<size_t>(env_int("HEADWISE_SIM_SMEM_OPTIN", kSm90OptIn, 48 * 1024, kSm90OptIn));
 }
-// Whether the environment variable `name` is 1: a switch that makes the emulated build take
-// a path the CUDA build takes always or on other hardware (HEADWISE_SIM_LIBRARY_GEMM,
+// Whether the switch `name` is 1: a switch that makes the emulated build take a path the
+// CUDA build takes always or on other hardware (HEADWISE_SIM_LIBRARY_GEMM,
 // HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS), so that the tests run it on the CPU.
-inline bool sim_flag(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && value[0] == '1';
-}
+inline bool sim_flag(const char* name) { return env_switch(name, false); }
 template <typename Kernel>
 inline size_t static_smem_bytes(Kernel) { return 0; }  // the emulator keeps __shared__ arrays apart
 template <typename Kernel>

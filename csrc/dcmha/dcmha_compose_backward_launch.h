@@ -102,9 +102,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
       // HEADWISE_DCMHA_COMPOSE_BWD_ROWS=1 keeps the one-row kernel: the two-row kernel's
       // gain (estimated) comes at one CTA per SM instead of two, which only a GPU can judge
       // (bench/device_check.sh times both).
-      const char* rows_env = std::getenv("HEADWISE_DCMHA_COMPOSE_BWD_ROWS");
+      const int64_t rows_setting = hw::env_int("HEADWISE_DCMHA_COMPOSE_BWD_ROWS", 2, 1, 2);
       if constexpr (sizeof(T) == 2) {
-        if (rows_env == nullptr || std::atoi(rows_env) != 1) {
+        if (rows_setting == 2) {
           smem = bwd_layout(2);
           two_rows = static_cast<size_t>(smem) + hw::static_smem_bytes(&dcmha_compose_bwd<T, 2>) <= limit;
         }

@@ -9,6 +9,7 @@
 
 #include "../common/backend_device.h"
 #include "../common/dispatch.h"
+#include "../common/env_settings.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
 #include "../common/tf32_policy.h"
@@ -23,9 +24,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <functional>
 #include <initializer_list>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -147,8 +148,8 @@ inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr)
 // table is not zeroed, and 0 * a stale NaN would reach the slot gradients.
 inline int64_t chunk_rows_under_cap(int64_t T, int64_t row_bytes) {
   const int64_t tiles = (T + kTileRows - 1) / kTileRows;
-  int64_t cap = kScratchBytes;
-  if (const char* env = std::getenv("HEADWISE_DCMHA_SCRATCH_BYTES")) cap = std::max<int64_t>(1, std::atoll(env));
+  const int64_t cap =
+      hw::env_int("HEADWISE_DCMHA_SCRATCH_BYTES", kScratchBytes, 1, std::numeric_limits<int64_t>::max());
   return std::min(tiles, std::max<int64_t>(1, cap / (row_bytes * kTileRows))) * kTileRows;
 }
 

@@ -6,6 +6,7 @@
 
 #include "../common/backend_device.h"
 #include "../common/dispatch.h"
+#include "../common/env_settings.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
 #include "../common/tf32_policy.h"
@@ -21,7 +22,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <tuple>
@@ -254,14 +254,7 @@ void launch_stats_tc(const at::Tensor& z, const at::Tensor& weight_o, const Gate
 // HEADWISE_MERGE_ROW_SORT_CHUNK (a power of two from 2 to kSortChunk), with which the tests
 // run the sort-and-rank path at a small B.
 inline int row_sort_chunk() {
-  const char* env = std::getenv("HEADWISE_MERGE_ROW_SORT_CHUNK");
-  if (env == nullptr || env[0] == '\0') return tc::kSortChunk;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  TORCH_CHECK_VALUE(*end == '\0' && v >= 2 && v <= tc::kSortChunk && (v & (v - 1)) == 0,
-                    "headwise.head_merge_backward: HEADWISE_MERGE_ROW_SORT_CHUNK must be a power of two from 2 to ",
-                    tc::kSortChunk, ", got '", env, "'");
-  return static_cast<int>(v);
+  return static_cast<int>(hw::env_int("HEADWISE_MERGE_ROW_SORT_CHUNK", tc::kSortChunk, 2, tc::kSortChunk, true));
 }
 
 // Launches the tensor-core grad_z (+ c partials) and grad_weight_o kernels (16-bit types).

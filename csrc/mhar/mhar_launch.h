@@ -10,6 +10,7 @@
 
 #include "../common/backend_device.h"
 #include "../common/dispatch.h"
+#include "../common/env_settings.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
 #include "mhar_args.h"
@@ -21,8 +22,6 @@
 #include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <tuple>
 
 namespace headwise {
@@ -116,7 +115,7 @@ void dispatch_plan(const Plan& plan, F&& f) {
 static_assert(kStagedItems == kItemsVec8, "the staged kernels run the vector layout's threads");
 inline bool staged_fits(const Shape& s, const Plan& plan, const char* env_name, int64_t smem_bytes) {
   if (plan.vec != 8 || !staged_heads(s.head_dim / 8)) return false;
-  if (const char* env = std::getenv(env_name); env != nullptr && std::strcmp(env, "0") == 0) return false;
+  if (!hw::env_switch(env_name, true)) return false;
   const int64_t limit = std::min<int64_t>(kStagedSmemBudget, static_cast<int64_t>(hw::max_dynamic_smem_optin()) / 2 - 1024);
   return smem_bytes <= limit;
 }

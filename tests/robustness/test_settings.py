@@ -1,0 +1,101 @@
+"""Run-time settings (README, "Run-time settings"; csrc/common/env_settings.h): a value the
+launchers cannot use is refused with a ValueError naming the variable by the call that reads
+it, and an empty value is the default."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from headwise import DCMHAWeights
+from headwise.testing import backend
+
+SIM = backend("sim")
+
+
+def dcmha_attention_bf16():
+    q, k, v = (torch.randn(1, 2, 37, 16).bfloat16() for _ in range(3))
+    return SIM.dcmha_attention(q, k, v, DCMHAWeights.zeros(1, 37, 2, dtype=torch.bfloat16))
+
+
+def dcmha_compose_backward_bf16():
+    a = torch.randn(1, 4, 37, 37).bfloat16().requires_grad_()
+    w = DCMHAWeights(*(0.1 * x for x in DCMHAWeights.zeros(1, 37, 4, dtype=torch.bfloat16)))
+    SIM.dcmha_compose(a, w, slot="pre").sum().backward()
+    return a.grad
+
+
+def mhar_route_bf16(backward):
+    sources = torch.randn(3, 1, 5, 512).bfloat16().requires_grad_(backward)
+    query, norm_weight = 0.1 * torch.randn(512), torch.ones(512)
+    out, _ = torch.ops.headwise_sim.mhar_route(sources, query, norm_weight, 2, 3, 1e-6, None, None)
+    if not backward:
+        return out
+    out.float().sum().backward()
+    return sources.grad
+
+
+def head_merge_bf16():
+    z = torch.randn(2, 5, 3, 16).bfloat16()  # [B, Q, H, Dv] memory, read as [B, H, Q, Dv]
+    w = torch.randn(24, 48).bfloat16()
+    return SIM.head_merge(z.transpose(1, 2), w, None)
+
+
+CALLS = {
+    "dcmha_attention": dcmha_attention_bf16,
+    "dcmha_compose_backward": dcmha_compose_backward_bf16,
+    "mhar_route": lambda: mhar_route_bf16(False),
+    "mhar_route_backward": lambda: mhar_route_bf16(True),
+    "head_merge": head_merge_bf16,
+}
+
+INTEGER = "must be an integer from"
+SWITCH = "must be 0 or 1"
+BAD = [
+    ("HEADWISE_DCMHA_SCRATCH_BYTES", "512MiB", INTEGER, "dcmha_attention"),
+    ("HEADWISE_DCMHA_SCRATCH_BYTES", "0", INTEGER, "dcmha_attention"),
+    ("HEADWISE_DCMHA_COMPOSE_BWD_ROWS", "3", INTEGER, "dcmha_compose_backward"),
+    ("HEADWISE_DCMHA_COMPOSE_BWD_ROWS", " 1", INTEGER, "dcmha_compose_backward"),
+    ("HEADWISE_SIM_SMEM_OPTIN", "abc", INTEGER, "dcmha_compose_backward"),
+    ("HEADWISE_SIM_SMEM_OPTIN", "240000", INTEGER, "dcmha_compose_backward"),
+    ("HEADWISE_MHAR_FWD_STAGED", "false", SWITCH, "mhar_route"),
+    ("HEADWISE_MHAR_BWD_STAGED", "10", SWITCH, "mhar_route_backward"),
+    ("HEADWISE_SIM_LIBRARY_GEMM", "yes", SWITCH, "head_merge"),
+]
+
+
+@pytest.mark.parametrize("name,value,message,call", BAD, ids=[f"{n}={v!r}" for n, v, _, _ in BAD])
+def test_unusable_value_is_refused_with_its_name(monkeypatch, name, value, message, call):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"headwise: {name} {message}.*, got '{value}'"):
+        CALLS[call]()
+
+
+@pytest.mark.parametrize("name,value,call", [
+    ("HEADWISE_DCMHA_SCRATCH_BYTES", "1", "dcmha_attention"),
+    ("HEADWISE_DCMHA_COMPOSE_BWD_ROWS", "1", "dcmha_compose_backward"),
+    ("HEADWISE_SIM_SMEM_OPTIN", "101376", "dcmha_compose_backward"),
+    ("HEADWISE_MHAR_FWD_STAGED", "0", "mhar_route"),
+    ("HEADWISE_MHAR_BWD_STAGED", "0", "mhar_route_backward"),
+    ("HEADWISE_SIM_LIBRARY_GEMM", "1", "head_merge"),
+])
+def test_empty_value_is_the_default_and_a_valid_one_is_taken(monkeypatch, name, value, call):
+    torch.manual_seed(0)
+    default = CALLS[call]()
+    monkeypatch.setenv(name, "")
+    torch.manual_seed(0)
+    assert torch.equal(CALLS[call](), default)
+    monkeypatch.setenv(name, value)
+    torch.manual_seed(0)
+    torch.testing.assert_close(CALLS[call](), default, rtol=2e-2, atol=2e-2)
+
+
+def test_poison_switch_is_refused_with_its_name():
+    # Read once per process (the first op that allocates an output), so in a child.
+    code = "import torch, headwise; torch.ops.headwise.head_merge(torch.ones(1, 1, 1, 2), torch.ones(2, 2), None, None, False, False)"
+    env = dict(os.environ, HEADWISE_POISON_OUTPUTS="yes")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "headwise: HEADWISE_POISON_OUTPUTS must be 0 or 1, got 'yes'" in run.stderr, run.stderr[-2000:]
