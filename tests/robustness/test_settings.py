@@ -3,6 +3,7 @@ launchers cannot use is refused with a ValueError naming the variable by the cal
 it, and an empty value is the default."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from headwise import DCMHAWeights
+from headwise.bench.checkout import ROOT
 from headwise.testing import backend
 
 SIM = backend("sim")
@@ -99,3 +101,18 @@ def test_poison_switch_is_refused_with_its_name():
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
     assert "headwise: HEADWISE_POISON_OUTPUTS must be 0 or 1, got 'yes'" in run.stderr, run.stderr[-2000:]
+
+
+def test_every_setting_is_read_by_the_validated_reader_and_listed_in_the_readme():
+    # The op libraries read the environment only in env_settings.h (the emulator's runtime,
+    # which does not link c10, reads its own HW_SIM_STACK_KB), and each HEADWISE_ variable
+    # named in csrc/ is a row of the README's table.
+    sources = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in {".h", ".cuh", ".cpp", ".cu"}]
+    assert sources
+    readers = {p.relative_to(ROOT).as_posix() for p in sources if "getenv(" in p.read_text()}
+    assert readers == {"csrc/common/env_settings.h", "csrc/common/simt/simt_runtime.cpp"}, readers
+    names = {m for p in sources for m in re.findall(r'"(HEADWISE_[A-Z0-9_]+)"', p.read_text())}
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Run-time settings"):readme.index("## Running on a GPU machine")]
+    listed = set(re.findall(r"^\| `(HEADWISE_[A-Z0-9_]+)` \|", table, flags=re.M))
+    assert names == listed, (names - listed, listed - names)
