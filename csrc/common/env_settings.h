@@ -19,12 +19,15 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <string>
 
 namespace hw {
 
 // The integer setting `name`: `fallback` when unset or empty, else its whole value, which
-// must be a decimal integer from lo to hi (and a power of two if power_of_two).
-inline int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi, bool power_of_two = false) {
+// must be a decimal integer from lo to hi (and a power of two if power_of_two; lo >= 1).
+inline int64_t env_int(const char* name, int64_t fallback, int64_t lo,
+                       int64_t hi = std::numeric_limits<int64_t>::max(), bool power_of_two = false) {
+  TORCH_INTERNAL_ASSERT(!power_of_two || lo >= 1);
   const char* value = std::getenv(name);
   if (value == nullptr || value[0] == '\0') return fallback;
   char* end = nullptr;
@@ -32,8 +35,10 @@ inline int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t h
   const long long v = std::strtoll(value, &end, 10);
   const bool whole = (value[0] == '-' || (value[0] >= '0' && value[0] <= '9')) && *end == '\0' && errno == 0;
   const bool ok = whole && v >= lo && v <= hi && (!power_of_two || (v & (v - 1)) == 0);
-  TORCH_CHECK_VALUE(ok, "headwise: ", name, " must be ", power_of_two ? "a power of two" : "an integer", " from ", lo,
-                    " to ", hi, ", got '", value, "'");
+  const bool unbounded = hi == std::numeric_limits<int64_t>::max();
+  TORCH_CHECK_VALUE(ok, "headwise: ", name, " must be ", power_of_two ? "a power of two" : "an integer",
+                    unbounded ? " of at least " : " from ", lo, unbounded ? "" : " to ",
+                    unbounded ? std::string() : std::to_string(hi), ", got '", value, "'");
   return v;
 }
 

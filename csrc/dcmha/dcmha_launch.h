@@ -26,7 +26,6 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
-#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -148,8 +147,7 @@ inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr)
 // table is not zeroed, and 0 * a stale NaN would reach the slot gradients.
 inline int64_t chunk_rows_under_cap(int64_t T, int64_t row_bytes) {
   const int64_t tiles = (T + kTileRows - 1) / kTileRows;
-  const int64_t cap =
-      hw::env_int("HEADWISE_DCMHA_SCRATCH_BYTES", kScratchBytes, 1, std::numeric_limits<int64_t>::max());
+  const int64_t cap = hw::env_int("HEADWISE_DCMHA_SCRATCH_BYTES", kScratchBytes, 1);
   return std::min(tiles, std::max<int64_t>(1, cap / (row_bytes * kTileRows))) * kTileRows;
 }
 

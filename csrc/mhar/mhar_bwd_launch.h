@@ -31,6 +31,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
     const bool vec8 = s.head_dim % 8 == 0 && aligned_for_vec8(sources) && aligned_for_vec8(q) &&
                       aligned_for_vec8(g) && aligned_for_vec8(dout) && aligned_for_vec8(grad_sources);
     const Plan plan = make_plan(s, vec8);
+    const bool staged = staged_allowed("HEADWISE_MHAR_BWD_STAGED");
+    [[maybe_unused]] const bool simt_products = sim_simt_products();  // the emulated build only
     const int64_t segments = bwd_segments(s.positions());
     at::Tensor z_partial = new_output({segments, s.d}, sources.options().dtype(at::kFloat));
     at::Tensor gate_partial = new_output({segments}, sources.options().dtype(at::kFloat));
@@ -53,10 +55,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_into(
         const bool warp_heads = s.head_dim / 8 == 64;
         const int64_t record = warp_heads ? bwd_record_floats<T, true>() : bwd_record_floats<T, false>();
         const int64_t staged_bytes = bwd_staged_smem_bytes(s.num_sources, s.heads, record, plan.threads);
-        if (staged_fits(s, plan, "HEADWISE_MHAR_BWD_STAGED", staged_bytes)) {
+        if (staged_fits(s, plan, staged, staged_bytes)) {
           auto kernel = warp_heads ? &mhar_route_bwd_staged_kernel<T, G, true> : &mhar_route_bwd_staged_kernel<T, G, false>;
           if constexpr (HW_SIM && std::is_same<T, c10::BFloat16>::value) {
-            if (warp_heads && sim_simt_products()) kernel = &mhar_route_bwd_staged_kernel<T, G, true, true>;
+            if (warp_heads && simt_products) kernel = &mhar_route_bwd_staged_kernel<T, G, true, true>;
           }
           hw::allow_dynamic_smem("mhar_route_backward", kernel, static_cast<size_t>(staged_bytes));
           HW_LAUNCH("mhar_route_bwd_staged", kernel, grid, dim3(plan.threads), static_cast<size_t>(staged_bytes), p);

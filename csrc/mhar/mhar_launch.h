@@ -109,16 +109,20 @@ void dispatch_plan(const Plan& plan, F&& f) {
 // Whether 16-bit sources take a staged kernel (mhar_fwd_staged_kernel.cuh,
 // mhar_bwd_staged_kernel.cuh): the 16-byte path, heads within a warp, and the kernel's
 // shared memory (smem_bytes) within kStagedSmemBudget and half the device's opt-in limit
-// (2 CTAs an SM on an A100 as on an H100). The variable env_name = 0 keeps the other
-// kernel (HEADWISE_MHAR_FWD_STAGED: the streaming forward, HEADWISE_MHAR_BWD_STAGED:
-// mhar_route_bwd_kernel; the tests run both, the device check times both).
+// (2 CTAs an SM on an A100 as on an H100). `allowed`: the launcher's switch, read for every
+// call (staged_allowed), whose 0 keeps the other kernel (the tests run both, the device
+// check times both).
 static_assert(kStagedItems == kItemsVec8, "the staged kernels run the vector layout's threads");
-inline bool staged_fits(const Shape& s, const Plan& plan, const char* env_name, int64_t smem_bytes) {
-  if (plan.vec != 8 || !staged_heads(s.head_dim / 8)) return false;
-  if (!hw::env_switch(env_name, true)) return false;
+inline bool staged_fits(const Shape& s, const Plan& plan, bool allowed, int64_t smem_bytes) {
+  if (!allowed || plan.vec != 8 || !staged_heads(s.head_dim / 8)) return false;
   const int64_t limit = std::min<int64_t>(kStagedSmemBudget, static_cast<int64_t>(hw::max_dynamic_smem_optin()) / 2 - 1024);
   return smem_bytes <= limit;
 }
+
+// The switch `setting` (HEADWISE_MHAR_FWD_STAGED: the streaming forward at 0,
+// HEADWISE_MHAR_BWD_STAGED: mhar_route_bwd_kernel at 0), read before the dtype and shape
+// decide, so that a bad value is refused by every call.
+inline bool staged_allowed(const char* setting) { return hw::env_switch(setting, true); }
 
 // Whether the emulated build's staged backward takes pass 2's SIMT products for bf16 heads
 // of 64 vectors (HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS=1: the form sm_80 compiles; the

@@ -33,6 +33,7 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
               aligned_for_vec8(g);
   if (residual.has_value()) vec8 = vec8 && aligned_for_vec8(*residual);
   const Plan plan = make_plan(s, vec8);
+  const bool staged = staged_allowed("HEADWISE_MHAR_FWD_STAGED");
 
   FwdParams p{};
   p.route = make_routing(sources, q, g, s, eps);
@@ -48,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor> HW_MHAR_ENTRY(route)(const at::Tensor& source
     using T = decltype(tag);
     if constexpr (sizeof(T) == 2) {
       const int64_t staged_bytes = fwd_staged_smem_bytes(s.num_sources, s.heads, plan.threads);
-      if (staged_fits(s, plan, "HEADWISE_MHAR_FWD_STAGED", staged_bytes)) {
+      if (staged_fits(s, plan, staged, staged_bytes)) {
         auto kernel = s.head_dim / 8 == 64 ? &mhar_route_fwd_staged_kernel<T, true>
                                             : &mhar_route_fwd_staged_kernel<T, false>;
         hw::allow_dynamic_smem("mhar_route", kernel, static_cast<size_t>(staged_bytes));

@@ -17,22 +17,30 @@ from headwise.testing import backend
 SIM = backend("sim")
 
 
+def dynamic_weights(t, h):
+    w1, w2 = (0.3 * torch.randn(1, t, 4, 2, h) for _ in range(2))
+    return DCMHAWeights(*(x.bfloat16() for x in (w1, w2, 0.3 * torch.randn(1, t, 4, h))))
+
+
 def dcmha_attention_bf16():
-    q, k, v = (torch.randn(1, 2, 37, 16).bfloat16() for _ in range(3))
-    return SIM.dcmha_attention(q, k, v, DCMHAWeights.zeros(1, 37, 2, dtype=torch.bfloat16))
+    # 130 rows: three query chunks at HEADWISE_DCMHA_SCRATCH_BYTES=1.
+    q, k, v = (torch.randn(1, 2, 130, 16).bfloat16() for _ in range(3))
+    return SIM.dcmha_attention(q, k, v, dynamic_weights(130, 2))
 
 
 def dcmha_compose_backward_bf16():
     a = torch.randn(1, 4, 37, 37).bfloat16().requires_grad_()
-    w = DCMHAWeights(*(0.1 * x for x in DCMHAWeights.zeros(1, 37, 4, dtype=torch.bfloat16)))
-    SIM.dcmha_compose(a, w, slot="pre").sum().backward()
+    SIM.dcmha_compose(a, dynamic_weights(37, 4), slot="pre").sum().backward()
     return a.grad
 
 
-def mhar_route_bf16(backward):
-    sources = torch.randn(3, 1, 5, 512).bfloat16().requires_grad_(backward)
+def mhar_route(backward, heads=2, dtype=torch.bfloat16):
+    # d = 512: heads of 32 vectors (H = 2), or one head of 64, which the staged backward's
+    # HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS form takes. fp32 sources take no staged kernel, yet
+    # the switches are read for them too.
+    sources = torch.randn(3, 1, 5, 512).to(dtype).requires_grad_(backward)
     query, norm_weight = 0.1 * torch.randn(512), torch.ones(512)
-    out, _ = torch.ops.headwise_sim.mhar_route(sources, query, norm_weight, 2, 3, 1e-6, None, None)
+    out, _ = torch.ops.headwise_sim.mhar_route(sources, query, norm_weight, heads, 3, 1e-6, None, None)
     if not backward:
         return out
     out.float().sum().backward()
@@ -48,12 +56,15 @@ def head_merge_bf16():
 CALLS = {
     "dcmha_attention": dcmha_attention_bf16,
     "dcmha_compose_backward": dcmha_compose_backward_bf16,
-    "mhar_route": lambda: mhar_route_bf16(False),
-    "mhar_route_backward": lambda: mhar_route_bf16(True),
+    "mhar_route": lambda: mhar_route(False),
+    "mhar_route_backward": lambda: mhar_route(True),
+    "mhar_route_backward_one_head": lambda: mhar_route(True, heads=1),
+    "mhar_route_fp32": lambda: mhar_route(False, dtype=torch.float32),
+    "mhar_route_backward_fp32": lambda: mhar_route(True, dtype=torch.float32),
     "head_merge": head_merge_bf16,
 }
 
-INTEGER = "must be an integer from"
+INTEGER = "must be an integer (from|of at least)"
 SWITCH = "must be 0 or 1"
 BAD = [
     ("HEADWISE_DCMHA_SCRATCH_BYTES", "512MiB", INTEGER, "dcmha_attention"),
@@ -64,14 +75,17 @@ BAD = [
     ("HEADWISE_SIM_SMEM_OPTIN", "240000", INTEGER, "dcmha_compose_backward"),
     ("HEADWISE_MHAR_FWD_STAGED", "false", SWITCH, "mhar_route"),
     ("HEADWISE_MHAR_BWD_STAGED", "10", SWITCH, "mhar_route_backward"),
+    ("HEADWISE_MHAR_FWD_STAGED", "off", SWITCH, "mhar_route_fp32"),
+    ("HEADWISE_MHAR_BWD_STAGED", "1 ", SWITCH, "mhar_route_backward_fp32"),
     ("HEADWISE_SIM_LIBRARY_GEMM", "yes", SWITCH, "head_merge"),
+    ("HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS", "2", SWITCH, "mhar_route_backward_one_head"),
 ]
 
 
 @pytest.mark.parametrize("name,value,message,call", BAD, ids=[f"{n}={v!r}" for n, v, _, _ in BAD])
 def test_unusable_value_is_refused_with_its_name(monkeypatch, name, value, message, call):
     monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=f"headwise: {name} {message}.*, got '{value}'"):
+    with pytest.raises(ValueError, match=f"headwise: {name} {message}.*, got '{re.escape(value)}'"):
         CALLS[call]()
 
 
@@ -82,6 +96,7 @@ def test_unusable_value_is_refused_with_its_name(monkeypatch, name, value, messa
     ("HEADWISE_MHAR_FWD_STAGED", "0", "mhar_route"),
     ("HEADWISE_MHAR_BWD_STAGED", "0", "mhar_route_backward"),
     ("HEADWISE_SIM_LIBRARY_GEMM", "1", "head_merge"),
+    ("HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS", "1", "mhar_route_backward_one_head"),
 ])
 def test_empty_value_is_the_default_and_a_valid_one_is_taken(monkeypatch, name, value, call):
     torch.manual_seed(0)
@@ -109,7 +124,7 @@ def test_every_setting_is_read_by_the_validated_reader_and_listed_in_the_readme(
     # named in csrc/ is a row of the README's table.
     sources = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in {".h", ".cuh", ".cpp", ".cu"}]
     assert sources
-    readers = {p.relative_to(ROOT).as_posix() for p in sources if "getenv(" in p.read_text()}
+    readers = {p.relative_to(ROOT).as_posix() for p in sources if re.search(r"\bgetenv\(", p.read_text())}
     assert readers == {"csrc/common/env_settings.h", "csrc/common/simt/simt_runtime.cpp"}, readers
     names = {m for p in sources for m in re.findall(r'"(HEADWISE_[A-Z0-9_]+)"', p.read_text())}
     readme = (ROOT / "README.md").read_text()
