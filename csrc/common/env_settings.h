@@ -1,16 +1,10 @@
-// Run-time settings read from the environment (README, "Run-time settings"). Every one is
-// read here, so that a value the launcher cannot use is refused with a ValueError naming the
-// variable rather than read as something else (atoi("512MiB") is 512; "false" is not "0").
-//
-//   switches (0 or 1)                      integers
-//   HEADWISE_MHAR_FWD_STAGED               HEADWISE_DCMHA_SCRATCH_BYTES     1 ..
-//   HEADWISE_MHAR_BWD_STAGED               HEADWISE_DCMHA_COMPOSE_BWD_ROWS  1, 2
-//   HEADWISE_POISON_OUTPUTS                HEADWISE_MERGE_ROW_SORT_CHUNK    2 .. 4096, powers of 2
-//   HEADWISE_SIM_LIBRARY_GEMM (emulator)   HEADWISE_SIM_SMEM_OPTIN          49152 .. 232448 (emulator)
-//   HEADWISE_SIM_MHAR_BWD_SIMT_PRODUCTS (emulator)
-//
-// An unset or empty variable takes the default. (The SIMT emulator's own HW_SIM_STACK_KB is
-// read by simt/simt_runtime.cpp, which does not depend on c10: simt/README.md.)
+// Run-time settings read from the environment. Every one is read here, so that a value the
+// launcher cannot use is refused with a ValueError naming the variable rather than read as
+// something else (atoi("512MiB") is 512; "false" is not "0"). The settings, their ranges
+// and defaults are the README's "Run-time settings" table, which
+// tests/robustness/test_settings.py keeps equal to the names csrc/ reads. An unset or empty
+// variable takes the default. (The SIMT emulator's own HW_SIM_STACK_KB is read by
+// simt/simt_runtime.cpp, which does not depend on c10: simt/README.md.)
 #pragma once
 
 #include <c10/util/Exception.h>
