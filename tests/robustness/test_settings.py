@@ -118,6 +118,31 @@ def test_poison_switch_is_refused_with_its_name():
     assert "headwise: HEADWISE_POISON_OUTPUTS must be 0 or 1, got 'yes'" in run.stderr, run.stderr[-2000:]
 
 
+def test_emulator_stack_size_is_refused_with_its_name_until_mended():
+    # HW_SIM_STACK_KB (csrc/common/simt/README.md) is read by the first launch that maps a
+    # fiber stack and kept once a launch succeeds, so in a child: each bad value is refused
+    # by the launch, and the launch after the value is mended runs.
+    code = """
+import os, torch
+from headwise.testing import backend
+z, w = torch.ones(1, 1, 1, 2), torch.ones(2, 2)
+for bad in ("1M", "63", "1048577", " 256", "+256", "99999999999999999999999"):
+    os.environ["HW_SIM_STACK_KB"] = bad
+    try:
+        backend("sim").head_merge(z, w)
+    except RuntimeError as e:
+        assert f"headwise sim: HW_SIM_STACK_KB must be an integer from 64 to 1048576 (KiB), got '{bad}'" in str(e), e
+    else:
+        raise AssertionError(bad)
+os.environ["HW_SIM_STACK_KB"] = "64"
+assert backend("sim").head_merge(z, w).flatten().tolist() == [2.0, 2.0]
+print("mended")
+"""
+    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "mended", run.stderr[-2000:]
+
+
 def test_every_setting_is_read_by_the_validated_reader_and_listed_in_the_readme():
     # The op libraries read the environment only in env_settings.h (the emulator's runtime,
     # which does not link c10, reads its own HW_SIM_STACK_KB), and each HEADWISE_ variable

@@ -248,16 +248,32 @@ size_t page_size() {
   return ps;
 }
 
+// HW_SIM_STACK_KB: a fiber's stack in KiB, a whole decimal number from kMinStackKb (room for
+// the stagger offset below, <= 16 KiB, and the entry frames) to kMaxStackKb; unset or empty is
+// 256. Any other value is refused (SimtError naming the variable) by every launch until it is
+// mended: a clamped or truncated size ("1M" read as 1) could overflow a kernel's stack.
+constexpr size_t kMinStackKb = 64, kMaxStackKb = 1 << 20;
+
+size_t stack_kb_setting() {
+  const char* e = std::getenv("HW_SIM_STACK_KB");
+  if (!e || !*e) return 256;
+  size_t kb = 0;
+  bool ok = true;
+  for (const char* c = e; *c && ok; ++c) {
+    ok = *c >= '0' && *c <= '9';
+    if (ok) kb = kb * 10 + static_cast<size_t>(*c - '0');
+    ok = ok && kb <= kMaxStackKb;
+  }
+  if (!ok || kb < kMinStackKb)
+    throw SimtError("headwise sim: HW_SIM_STACK_KB must be an integer from " + std::to_string(kMinStackKb) +
+                    " to " + std::to_string(kMaxStackKb) + " (KiB), got '" + e + "'");
+  return kb;
+}
+
 size_t stack_bytes() {
   static const size_t sz = [] {
-    size_t kb = 256;
-    if (const char* e = std::getenv("HW_SIM_STACK_KB")) {
-      const long v = std::strtol(e, nullptr, 10);
-      if (v > 0) kb = static_cast<size_t>(v);
-    }
-    if (kb < 64) kb = 64;  // room for the stagger offset below (<= 16 KiB) and the entry frames
     const size_t ps = page_size();
-    return (kb * 1024 + ps - 1) / ps * ps;
+    return (stack_kb_setting() * 1024 + ps - 1) / ps * ps;
   }();
   return sz;
 }
