@@ -30,8 +30,8 @@ using hw::on_backend_device;
 // Forward grid cap (blocks loop over tokens beyond it), and the fixed persistent grids
 // of the backward (so that the norm-weight reduction order does not depend on the
 // device): 528 blocks of 128 threads on the 16-byte path (4 per SM on a 132-SM H200, all
-// resident at the kernel's __launch_bounds__(128, 4)), 512 of 4 warps on the scalar
-// fallback.
+// resident at the kernel's __launch_bounds__(128, 4); a part with fewer SMs runs them in
+// waves, and nothing depends on residency), 512 of 4 warps on the scalar fallback.
 constexpr int64_t kMaxGrid = (int64_t{1} << 31) - 1;
 constexpr int64_t kBwdVecBlocks = 528;
 constexpr int64_t kBwdScalarBlocks = 512;
