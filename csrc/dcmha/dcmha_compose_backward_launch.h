@@ -3,50 +3,12 @@
 // or the backward by library products where the key-side block does not fit the device.
 #pragma once
 
+#include "dcmha_compose_library.h"
 #include "dcmha_compose_reduce_kernel.cuh"
 #include "dcmha_launch.h"
 
 namespace headwise {
 namespace dcmha {
-
-// The compose backward by library products (einsum -> batched GEMMs, fp32), for devices
-// whose shared memory cannot hold dcmha_compose_bwd's key-side block (H = 32 bf16 in one
-// group needs ~100 KiB: over the 99 KiB of sm_86/89/120). With the grouped views
-// A, dY [B, G, Hg, T, S], slot weights W1q, W2q [B, T, R, G, Hg] (query side, slot cq) and
-// W1k, W2k [B, S, R, G, Hg] (key side, slot ck), pq = <A, W1q>_n, pk = <A, W1k>_n:
-//   dq = <dY, W2q>_m, dk = <dY, W2k>_m                                  [B, G, R, T, S]
-//   dA   = dY (1 + Gq + Gk) + dq W1q + dk W1k
-//   dW2q = sum_s pq dY,  dW2k = sum_t pk dY,  dW1q = sum_s A dq,  dW1k = sum_t A dk
-//   dGq  = sum_s dY A,   dGk  = sum_t dY A
-// The [B, G, R, T, S] intermediates are 2R/H of a's size each. Deterministic (GEMMs and
-// fixed-order reductions, no atomics), no host synchronization.
-inline void compose_backward_by_library(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& w1f,
-                                        const at::Tensor& w2f, const at::Tensor& gf, int cq, int ck, int64_t groups,
-                                        at::Tensor& da, at::Tensor& dw1, at::Tensor& dw2, at::Tensor& dg) {
-  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), S = x.size(3), R = w1f.size(3), hg = H / groups;
-  const at::Tensor A = x.to(at::kFloat).view({B, groups, hg, T, S});
-  const at::Tensor dY = dy.to(at::kFloat).view({B, groups, hg, T, S});
-  auto side = [&](const at::Tensor& w, int c, int64_t n) { return w.select(2, c).narrow(1, 0, n).reshape({B, n, R, groups, hg}); };
-  const at::Tensor w1q = side(w1f, cq, T), w2q = side(w2f, cq, T), w1k = side(w1f, ck, S), w2k = side(w2f, ck, S);
-  const at::Tensor pq = at::einsum("bgnts,btrgn->bgrts", {A, w1q}), pk = at::einsum("bgnts,bsrgn->bgrts", {A, w1k});
-  const at::Tensor dq = at::einsum("bgmts,btrgm->bgrts", {dY, w2q}), dk = at::einsum("bgmts,bsrgm->bgrts", {dY, w2k});
-  const at::Tensor gq = gf.select(2, cq).narrow(1, 0, T).transpose(1, 2).reshape({B, groups, hg, T, 1});
-  const at::Tensor gk = gf.select(2, ck).narrow(1, 0, S).transpose(1, 2).reshape({B, groups, hg, 1, S});
-  const at::Tensor da32 = dY * (gq + gk + 1) + at::einsum("bgrts,btrgn->bgnts", {dq, w1q}) +
-                          at::einsum("bgrts,bsrgn->bgnts", {dk, w1k});
-  da.copy_(da32.view({B, H, T, S}));
-  auto put = [&](at::Tensor& dst, int c, int64_t n, const at::Tensor& v) {
-    at::Tensor slot_rows = dst.select(2, c).narrow(1, 0, n);
-    slot_rows.copy_(v.reshape(slot_rows.sizes()));
-  };
-  put(dw2, cq, T, at::einsum("bgrts,bgmts->btrgm", {pq, dY}));
-  put(dw2, ck, S, at::einsum("bgrts,bgmts->bsrgm", {pk, dY}));
-  put(dw1, cq, T, at::einsum("bgnts,bgrts->btrgn", {A, dq}));
-  put(dw1, ck, S, at::einsum("bgnts,bgrts->bsrgn", {A, dk}));
-  const at::Tensor prod = (dY * A).view({B, H, T, S});
-  put(dg, cq, T, prod.sum(3).transpose(1, 2));
-  put(dg, ck, S, prod.sum(2).transpose(1, 2));
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compose_backward)(
     const at::Tensor& grad, const at::Tensor& a, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& g,

@@ -1,7 +1,10 @@
 // The compose entry compose (dcmha_ops.h) of the CUDA and emulated backends
-// (dcmha_launch.h): dcmha_compose_fwd (dcmha_kernel.cuh).
+// (dcmha_launch.h): dcmha_compose_fwd (dcmha_kernel.cuh), or the forward by library
+// products (dcmha_compose_library.h) where its block does not fit the device: fp32 with
+// many head groups on the 99 KiB parts (H = 32 in groups of one head needs 116.5 KiB).
 #pragma once
 
+#include "dcmha_compose_library.h"
 #include "dcmha_launch.h"
 
 namespace headwise {
@@ -33,6 +36,10 @@ at::Tensor HW_DCMHA_ENTRY(compose)(const at::Tensor& a, const at::Tensor& w1, co
   dispatch_storage_dtype(a.scalar_type(), "dcmha_compose", "a", [&](auto tag) {
     using T = decltype(tag);
     auto kernel = &dcmha_compose_fwd<T>;
+    if (static_cast<size_t>(smem) + hw::static_smem_bytes(kernel) > hw::max_dynamic_smem_optin()) {
+      compose_forward_by_library(x, w1f, w2f, gf, p.cq, p.ck, groups, out);
+      return;
+    }
     hw::allow_dynamic_smem("dcmha_compose", kernel, static_cast<size_t>(smem));
     HW_LAUNCH("dcmha_compose_fwd", kernel, dim3(tiles, chunks, static_cast<unsigned>(s.batch)),
               dim3(kComposeThreads), static_cast<size_t>(smem), p);

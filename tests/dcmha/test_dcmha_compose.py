@@ -54,6 +54,29 @@ def test_matches_reference_fp32(backend, slot, b, h, t, groups):
         assert torch.count_nonzero(grad_w[:, :, unused]) == 0
 
 
+@pytest.mark.parametrize("slot,b,t", [("pre", 1, 37), ("post", 2, 5)])
+def test_forward_whose_block_does_not_fit_uses_library_products(monkeypatch, slot, b, t):
+    # fp32 at H = 32 in groups of one head: dcmha_compose_fwd's group totals
+    # (G x 2 KiB) and column weights pass the 99 KiB of sm_86/89/120 (HEADWISE_SIM_SMEM_OPTIN),
+    # so the forward takes compose_forward_by_library (einsums). It matches the reference,
+    # and the kernel that an sm_90-sized limit runs.
+    sim = headwise.testing.backend("sim")
+    gen = torch.Generator().manual_seed(t)
+    a = torch.randn(b, 32, t, t, generator=gen)
+    w = make_weights(b, t, 32, seed=t)
+    kw = dict(slot=slot, head_groups=32)
+    with torch.profiler.profile() as prof:
+        by_kernel = sim.dcmha_compose(a, w, **kw)
+    assert not any(e.name == "aten::einsum" for e in prof.events())
+    monkeypatch.setenv("HEADWISE_SIM_SMEM_OPTIN", "101376")
+    with torch.profiler.profile() as prof:
+        by_library = sim.dcmha_compose(a, w, **kw)
+    assert any(e.name == "aten::einsum" for e in prof.events())
+    want = reference.dcmha_compose(a.double(), DCMHAWeights(*(x.double() for x in w)), **kw)
+    assert rel_err(by_library.double(), want) <= FP32_TOL
+    assert rel_err(by_library, by_kernel) <= FP32_TOL
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("slot,b,h,t,groups", [("pre", 1, 32, 37, 1), ("post", 2, 32, 5, 4), ("pre", 1, 30, 130, 3)])
 def test_backward_on_parts_with_99_kib_uses_library_products(monkeypatch, dtype, slot, b, h, t, groups):
