@@ -49,7 +49,8 @@ inline void compose_forward_by_library(const at::Tensor& x, const at::Tensor& w1
 //   dA   = dY (1 + Gq + Gk) + dq W1q + dk W1k
 //   dW2q = sum_s pq dY,  dW2k = sum_t pk dY,  dW1q = sum_s A dq,  dW1k = sum_t A dk
 //   dGq  = sum_s dY A,   dGk  = sum_t dY A
-// The [B, G, R, T, S] intermediates are 2R/H of a's size each.
+// Each [B, G, R, T, S] intermediate holds R / Hg times a's elements, in fp32: twice them at
+// one head a group (the forward's case), 1/16 of them at H = 32 in one group.
 inline void compose_backward_by_library(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& w1f,
                                         const at::Tensor& w2f, const at::Tensor& gf, int cq, int ck, int64_t groups,
                                         at::Tensor& da, at::Tensor& dw1, at::Tensor& dw2, at::Tensor& dg) {
