@@ -60,7 +60,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
     int64_t smem = 0;
     dispatch_storage_dtype(a.scalar_type(), "dcmha_compose_backward", "a", [&](auto tag) {
       using T = decltype(tag);
-      const size_t limit = hw::max_dynamic_smem_optin();
       // HEADWISE_DCMHA_COMPOSE_BWD_ROWS=1 keeps the one-row kernel: the two-row kernel's
       // gain (estimated) comes at one CTA per SM instead of two, which only a GPU can judge
       // (bench/device_check.sh times both).
@@ -68,12 +67,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> HW_DCMHA_ENTRY(compos
       if constexpr (sizeof(T) == 2) {
         if (rows_setting == 2) {
           smem = bwd_layout(2);
-          two_rows = static_cast<size_t>(smem) + hw::static_smem_bytes(&dcmha_compose_bwd<T, 2>) <= limit;
+          two_rows = block_fits(&dcmha_compose_bwd<T, 2>, smem);
         }
       }
       if (!two_rows) {
         smem = bwd_layout(1);
-        fits = static_cast<size_t>(smem) + hw::static_smem_bytes(&dcmha_compose_bwd<T, 1>) <= limit;
+        fits = block_fits(&dcmha_compose_bwd<T, 1>, smem);
       }
     });
     if (!fits) {

@@ -36,7 +36,7 @@ at::Tensor HW_DCMHA_ENTRY(compose)(const at::Tensor& a, const at::Tensor& w1, co
   dispatch_storage_dtype(a.scalar_type(), "dcmha_compose", "a", [&](auto tag) {
     using T = decltype(tag);
     auto kernel = &dcmha_compose_fwd<T>;
-    if (static_cast<size_t>(smem) + hw::static_smem_bytes(kernel) > hw::max_dynamic_smem_optin()) {
+    if (!block_fits(kernel, smem)) {
       compose_forward_by_library(x, w1f, w2f, gf, p.cq, p.ck, groups, out);
       return;
     }

@@ -104,6 +104,14 @@ inline int two_where_it_fits(const std::function<int64_t(int)>& layout) {
   return layout(2) <= static_cast<int64_t>(hw::max_dynamic_smem_optin()) ? 2 : 1;
 }
 
+// Whether `kernel` launches with `bytes` of dynamic shared memory on this device: with its
+// static arrays, within the opt-in limit (where it does not, the compose runs by library
+// products, dcmha_compose_library.h).
+template <typename Kernel>
+inline bool block_fits(Kernel kernel, int64_t bytes) {
+  return static_cast<size_t>(bytes) + hw::static_smem_bytes(kernel) <= hw::max_dynamic_smem_optin();
+}
+
 // The forward's / bwd_query's layout; rows per stage 2 where it fits the device, else 1.
 inline int64_t fit_rows(const std::function<int64_t(int)>& layout) { return layout(two_where_it_fits(layout)); }
 
