@@ -3,7 +3,9 @@
 // the compiler vectorizes them, and the hot functions are compiled for AVX-512, AVX2
 // and baseline x86-64 with runtime selection (target_clones).
 //
-// Forward, per position: one pass over the N rows with the running-max softmax.
+// Forward, per position: pass 1 reads the N rows and forms r_n and the logits; the softmax
+// over sources is exact (max first, no rescaling); pass 2 re-reads the rows from cache and
+// forms the weighted sum with the sources innermost, its sums in registers.
 // Backward, per position: pass 1 forms r_n, a[n,h] = <dout_h, s_n[h]> and S_h (and the
 // gate's gradient sum_h S_h); pass 2 re-reads each row (from cache) and emits ds_n and
 // z += dl u_n (dq = g z, dg = q z), with dout scaled by the gate. z and the gate sum are
@@ -21,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
@@ -70,28 +73,72 @@ struct Call {
   double eps;
 };
 
-// Prefetches the n elements at p into cache (the row the next position will read): the
-// rows of one position lie N_max apart in memory, more streams than the hardware
-// prefetcher follows, and the kernels are bound by these reads.
+// Prefetches the n elements at p into L2 (prefetcht1): the rows kPrefetchAhead positions
+// on. The rows of one position lie N_max apart in memory, more streams than the hardware
+// prefetcher follows (and a 4 KiB row is a page, where it stops), and the kernels are bound
+// by these reads. Into L2, not L1: the current position's N rows (36 KiB at N = 9, d =
+// 1024) are re-read from L1 by the second pass, and prefetches into L1 evicted them (on the
+// 2-core AMD EPYC test VM, the forward at T = 512 took 3.9-4.6 ms on one thread with
+// prefetcht0 one position ahead and 3.1-3.2 ms with this; bench/RESULTS.md, 2026-12-08).
+constexpr int64_t kPrefetchAhead = 2;
 template <typename T>
 HW_CPU_INLINE void prefetch_row(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(bytes + off);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(bytes + off, 0, 2);
 }
 
-// acc[k] = acc[k] * alpha + p * x[k]
-template <typename A>
-HW_CPU_INLINE void rescale_add(A* __restrict acc, const A* __restrict x, A alpha, A p, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] * alpha + p * x[k];
+// The position whose rows are prefetched while pos is processed (pos itself near p1).
+HW_CPU_INLINE int64_t position_ahead(int64_t pos, int64_t p1) {
+  return pos + kPrefetchAhead < p1 ? pos + kPrefetchAhead : pos;
 }
 
-// out[k] = T(acc[k] * inv (+ res[k]))
+// Row 0 of position pos in the sources; row n lies n * c.sn further.
+template <typename T>
+HW_CPU_INLINE const T* position_rows(const Call& c, int64_t pos) {
+  return static_cast<const T*>(c.sources) + (pos / c.seq) * c.sb + (pos % c.seq) * c.st;
+}
+
+// out[k] = T(gate * sum_{j < N} w[j] rows[j][o + k] (+ res[k])) for k < n, the sum over
+// sources in order j, innermost: each block of 4 vectors stays in registers across the N
+// rows (re-read from cache), where an accumulator in memory would be loaded and stored
+// once per row.
 template <typename T, typename A>
-HW_CPU_INLINE void normalize_store(const A* __restrict acc, A inv, const T* __restrict res, T* __restrict out, int64_t n) {
-  if (res == nullptr) {
-    for (int64_t k = 0; k < n; ++k) out[k] = cpu::to_storage<T>(acc[k] * inv);
-  } else {
-    for (int64_t k = 0; k < n; ++k) out[k] = cpu::to_storage<T>(acc[k] * inv + static_cast<A>(res[k]));
+HW_CPU_INLINE void weighted_sum_store(const A* const* rows, int64_t o, const A* w, int64_t N, A gate,
+                                      const T* __restrict res, T* __restrict out, int64_t n) {
+  using V = cpu::vec_t<A>;
+  constexpr int L = cpu::Simd<A>::lanes;
+  constexpr int W = 4;  // vectors per block
+  int64_t k = 0;
+  const auto store = [&](const A* sum, int64_t k0, int64_t count) {
+    if (res == nullptr) {
+      for (int64_t i = 0; i < count; ++i) out[k0 + i] = cpu::to_storage<T>(sum[i] * gate);
+    } else {
+      for (int64_t i = 0; i < count; ++i)
+        out[k0 + i] = cpu::to_storage<T>(sum[i] * gate + static_cast<A>(res[k0 + i]));
+    }
+  };
+  for (; k + W * L <= n; k += W * L) {
+    V acc[W];
+    for (V& a : acc) a = cpu::vzero<A>();
+    for (int64_t j = 0; j < N; ++j) {
+      const A* x = rows[j] + o + k;
+      for (int i = 0; i < W; ++i) acc[i] += w[j] * cpu::vload(x + i * L);
+    }
+    A sum[W * L];
+    std::memcpy(sum, acc, sizeof(sum));
+    store(sum, k, W * L);
+  }
+  for (; k + L <= n; k += L) {
+    V acc = cpu::vzero<A>();
+    for (int64_t j = 0; j < N; ++j) acc += w[j] * cpu::vload(rows[j] + o + k);
+    A sum[L];
+    std::memcpy(sum, &acc, sizeof(sum));
+    store(sum, k, L);
+  }
+  for (; k < n; ++k) {
+    A sum = 0;
+    for (int64_t j = 0; j < N; ++j) sum += w[j] * rows[j][o + k];
+    store(&sum, k, 1);
   }
 }
 
@@ -121,27 +168,26 @@ HW_CPU_INLINE void forward_positions(const Call& c, int64_t p0, int64_t p1) {
   const A inv_d = A(1) / static_cast<A>(d);
   const A gate = static_cast<A>(c.gate);
   A* w = static_cast<A*>(c.weights);
-  std::vector<A> buf(3 * d + 3 * H);
-  A* xbuf = buf.data();
-  A* gq = xbuf + d;
-  A* acc = gq + d;
-  A* logit = acc + d;
-  A* mx = logit + H;
-  A* den = mx + H;
+  constexpr bool widen = !std::is_same_v<T, A>;
+  // gq = g q (fp32 path); logit [N, H]; wh [N]: one head's weights; the rows widened to A
+  // (narrow dtypes) for the second pass.
+  std::vector<A> buf(d + N * H + N + (widen ? N * d : 0));
+  A* gq = buf.data();
+  A* logit = gq + d;
+  A* wh = logit + N * H;
+  A* widened = wh + N;
+  std::vector<const A*> rows(N);
   for (int64_t j = 0; j < d; ++j) gq[j] = g[j] * q[j];
   for (int64_t pos = p0; pos < p1; ++pos) {
     const int64_t b = pos / c.seq, t = pos % c.seq;
-    const T* src = static_cast<const T*>(c.sources) + b * c.sb + t * c.st;
-    std::fill(acc, acc + d, A(0));
-    std::fill(mx, mx + H, -INFINITY);
-    std::fill(den, den + H, A(0));
-    const int64_t next = pos + 1 < p1 ? pos + 1 : pos;
-    const T* src_next = static_cast<const T*>(c.sources) + (next / c.seq) * c.sb + (next % c.seq) * c.st;
-    for (int64_t n = 0; n < N; ++n) {
-      const A* x = as_acc(src + n * c.sn, xbuf, d);
+    const T* src = position_rows<T>(c, pos);
+    const T* src_next = position_rows<T>(c, position_ahead(pos, p1));
+    for (int64_t n = 0; n < N; ++n) {  // pass 1: r_n and the logits l[n, h]
+      const A* x = as_acc(src + n * c.sn, widened + (widen ? n * d : 0), d);
+      rows[n] = x;
       prefetch_row(src_next + n * c.sn, d);
-      A r;
-      if constexpr (std::is_same_v<T, A>) {
+      A* l = logit + n * H;
+      if constexpr (!widen) {
         // No storage rounding: l_h = r <x_h, g_h q_h>, formed in the same pass as the RMS.
         A sumsq = 0;
         for (int64_t h = 0; h < H; ++h) {
@@ -154,44 +200,42 @@ HW_CPU_INLINE void forward_positions(const Call& c, int64_t p0, int64_t p1) {
             t[1] = xv * ld(gqh);
           }, v);
           sumsq += v[0];
-          logit[h] = v[1];
+          l[h] = v[1];
         }
-        r = A(1) / std::sqrt(sumsq * inv_d + static_cast<A>(c.eps));
-        for (int64_t h = 0; h < H; ++h) logit[h] *= r;
+        const A r = A(1) / std::sqrt(sumsq * inv_d + static_cast<A>(c.eps));
+        for (int64_t h = 0; h < H; ++h) l[h] *= r;
       } else {
         // The key is rounded to T after scaling by r: l_h = <round_T(x_h r) g_h, q_h>.
         A v[1];
         sums<1>(d, [&](auto ld, auto& t) { t[0] = ld(x) * ld(x); }, v);
-        r = A(1) / std::sqrt(v[0] * inv_d + static_cast<A>(c.eps));
+        const A r = A(1) / std::sqrt(v[0] * inv_d + static_cast<A>(c.eps));
         for (int64_t h = 0; h < H; ++h) {
           const A* xh = x + h * K;
           const A* gh = g + h * K;
           const A* qh = q + h * K;
           sums<1>(K, [&](auto ld, auto& t) { t[0] = cpu::round_to<T>(ld(xh) * r) * ld(gh) * ld(qh); }, v);
-          logit[h] = v[0];
+          l[h] = v[0];
         }
       }
-      for (int64_t h = 0; h < H; ++h) {
-        // One exp per fold: the old terms rescale (alpha < 1) or the new one does (p < 1).
-        const A l = logit[h];
-        const bool new_max = l > mx[h];
-        const A alpha = new_max ? std::exp(mx[h] - l) : A(1);
-        const A p = new_max ? A(1) : std::exp(l - mx[h]);
-        if (new_max) mx[h] = l;
-        den[h] = den[h] * alpha + p;
-        rescale_add(acc + h * K, x + h * K, alpha, p, K);
-        w[(n * c.positions + pos) * H + h] = l;  // raw logit; normalized below
-      }
     }
+    // Per head: w_n = exp(l_n - m) / sum_j exp(l_j - m), m = max_n l_n (a NaN logit makes
+    // every weight of its head NaN), then pass 2 mixes the head's slice of the rows.
     T* out = static_cast<T*>(c.out) + pos * d;
     const T* res = c.residual == nullptr ? nullptr : static_cast<const T*>(c.residual) + b * c.rb + t * c.rt;
     for (int64_t h = 0; h < H; ++h) {
-      const A inv = A(1) / den[h];
-      normalize_store(acc + h * K, inv * gate, res == nullptr ? nullptr : res + h * K, out + h * K, K);
+      A m = logit[h];
+      for (int64_t n = 1; n < N; ++n) m = logit[n * H + h] > m ? logit[n * H + h] : m;
+      A den = 0;
       for (int64_t n = 0; n < N; ++n) {
-        A& wv = w[(n * c.positions + pos) * H + h];
-        wv = std::exp(wv - mx[h]) * inv;
+        wh[n] = std::exp(logit[n * H + h] - m);
+        den += wh[n];
       }
+      const A inv = A(1) / den;
+      for (int64_t n = 0; n < N; ++n) {
+        wh[n] *= inv;
+        w[(n * c.positions + pos) * H + h] = wh[n];
+      }
+      weighted_sum_store(rows.data(), h * K, wh, N, gate, res == nullptr ? nullptr : res + h * K, out + h * K, K);
     }
   }
 }
@@ -221,15 +265,13 @@ HW_CPU_INLINE void backward_chunk(const Call& c, int64_t chunk) {
   const A inv_d = A(1) / static_cast<A>(d);
   const int64_t p1 = std::min(c.positions, (chunk + 1) * kChunk);
   for (int64_t pos = chunk * kChunk; pos < p1; ++pos) {
-    const int64_t b = pos / c.seq, t = pos % c.seq;
-    const T* src = static_cast<const T*>(c.sources) + b * c.sb + t * c.st;
+    const T* src = position_rows<T>(c, pos);
     const A* wpos = w + pos * H;
     const int64_t wstride = c.positions * H;
     const A* dout = as_acc(static_cast<const T*>(c.grad_out) + pos * d, doutbuf, d);
     std::fill(coupling, coupling + H, A(0));
-    const int64_t next = pos + 1 < p1 ? pos + 1 : pos;
-    const T* src_next = static_cast<const T*>(c.sources) + (next / c.seq) * c.sb + (next % c.seq) * c.st;
-    prefetch_row(static_cast<const T*>(c.grad_out) + next * d, d);
+    const T* src_next = position_rows<T>(c, position_ahead(pos, p1));
+    prefetch_row(static_cast<const T*>(c.grad_out) + position_ahead(pos, p1) * d, d);
     for (int64_t n = 0; n < N; ++n) {  // pass 1: r_n, a[n, h], b[n, h], S_h in one read
       const A* x = as_acc(src + n * c.sn, xbuf, d);
       prefetch_row(src_next + n * c.sn, d);
