@@ -15,6 +15,15 @@
 
 #define HW_CPU_INLINE inline __attribute__((always_inline))
 
+// A kernel entry compiled for AVX-512 (x86-64-v4), AVX2 (x86-64-v3) and baseline x86-64,
+// the clone chosen at load time (GCC target_clones); the HW_CPU_INLINE helpers it calls
+// are compiled into each clone. Not under Clang or the sanitizers: one plain version.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#define HW_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define HW_CPU_CLONES
+#endif
+
 namespace headwise {
 namespace cpu {
 

@@ -408,12 +408,6 @@ HW_CPU_INLINE void attention_bwd_key_task(const Geometry& geo, const TileMath<A>
 }
 
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
-#define HW_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define HW_CPU_CLONES
-#endif
-
 // The entries every parallel task calls, compiled for AVX-512, AVX2 and baseline x86-64
 // with runtime selection; everything below them is force-inlined into each clone.
 #define HW_DCMHA_CLONES(A)                                                                                        \

@@ -13,8 +13,11 @@
 //     rescale cost one GEMM per run of open heads.
 //   - stats: z_norm from the tile's rows; out_norm through a triangular factor R_h
 //     [r, Dv] of each head's block, R_h^T R_h = W_h^T W_h (r = min(D, Dv)), formed once
-//     per call: ||z W_h^T|| = ||z R_h^T||, i.e. Q*Dv*r extra FLOPs per head instead of
-//     Q*Dv*D and no [B, Q, H, D] tensor. A sum of squares, so no cancellation: a head whose
+//     per call: ||z W_h^T|| = ||z R_h^T||, i.e. at most Q*Dv*r extra multiply-adds per
+//     head instead of Q*Dv*D and no [B, Q, H, D] tensor (projected_sum_sq: register
+//     blocks that skip R_h's zero triangle, nothing stored but the row's sum of squares;
+//     the Gram matrices by gram_lower, their lower triangles, in fp64 from fp32 weights,
+//     whose products are exact). A sum of squares, so no cancellation: a head whose
 //     contribution is tiny relative to ||z|| ||W_h|| keeps its relative accuracy (the
 //     fp32 Gram form z^T (W_h^T W_h) z would not). R_h is the Cholesky factor of the
 //     Gram matrix formed in fp64 (fp32 weights; rounded to fp32 afterwards: as accurate
@@ -31,6 +34,7 @@
 // z in place or gathered chunk by chunk, chunks accumulated in order); grad_bias as column
 // sums. Every reduction has a fixed order: results do not depend on the thread count.
 #include "../common/cpu_convert.h"
+#include "../common/cpu_simd.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
 #include "merge_args.h"
@@ -41,6 +45,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <tuple>
@@ -90,6 +95,65 @@ A sum_sq(const A* x, int64_t n) {
   A total = 0;
   for (int l = 0; l < 8; ++l) total += acc[l];
   return total;
+}
+
+// out[i] = ||z_i L||^2 for the `rows` rows z_i = z[i * ldz, + Dv) of one head, where
+// L = lt [Dv, rp] (row-major, R_h^T) is lower-trapezoidal, L[j, c] = 0 for c > j, with
+// zero columns padding r to rp, a whole number of vectors. Rows go R at a time and the
+// product's columns in blocks of W vectors, the R x W sums in registers; a block of
+// columns from c0 on reads L's rows j >= c0 only (the rows above are zero there), which
+// saves a quarter of the FLOPs at Dv = r = 64. Each row's squares are added lane-wise
+// block after block and then over lanes (cpu::hsum): a fixed order.
+// FLOPs per row: 2 sum over blocks of (Dv - c0) * W * lanes; at Dv = 64 in fp32 that is
+// 3072 multiply-adds, against 4096 for a dense z R^T and 32768 for z W_h^T at D = 512.
+template <int R, int W, typename A>
+HW_CPU_INLINE void projected_sum_sq_block(const A* z, int64_t ldz, const A* lt, int64_t Dv, int64_t rp, int64_t c0,
+                                          cpu::vec_t<A> (&sq)[R]) {
+  using V = cpu::vec_t<A>;
+  constexpr int L = cpu::Simd<A>::lanes;
+  V acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < W; ++v) acc[r][v] = cpu::vzero<A>();
+  for (int64_t j = c0; j < Dv; ++j) {
+    V lv[W];
+    for (int v = 0; v < W; ++v) lv[v] = cpu::vload(lt + j * rp + c0 + v * L);
+    for (int r = 0; r < R; ++r) {
+      const A zj = z[r * ldz + j];
+      for (int v = 0; v < W; ++v) acc[r][v] += zj * lv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < W; ++v) sq[r] += acc[r][v] * acc[r][v];
+}
+
+template <int R, typename A>
+HW_CPU_INLINE void projected_sum_sq_rows(const A* z, int64_t ldz, const A* lt, int64_t Dv, int64_t rp, A* out) {
+  constexpr int L = cpu::Simd<A>::lanes;
+  constexpr int W = 2;
+  cpu::vec_t<A> sq[R];
+  for (auto& v : sq) v = cpu::vzero<A>();
+  int64_t c0 = 0;
+  for (; c0 + W * L <= rp; c0 += W * L) projected_sum_sq_block<R, W>(z, ldz, lt, Dv, rp, c0, sq);
+  if (c0 < rp) projected_sum_sq_block<R, 1>(z, ldz, lt, Dv, rp, c0, sq);  // rp - c0 == L
+  for (int r = 0; r < R; ++r) out[r] = cpu::hsum<A>(sq[r]);
+}
+
+template <typename A>
+HW_CPU_INLINE void projected_sum_sq(const A* z, int64_t ldz, int64_t rows, const A* lt, int64_t Dv, int64_t rp,
+                                    A* out) {
+  constexpr int R = 4;
+  int64_t i = 0;
+  for (; i + R <= rows; i += R) projected_sum_sq_rows<R>(z + i * ldz, ldz, lt, Dv, rp, out + i);
+  for (; i < rows; ++i) projected_sum_sq_rows<1>(z + i * ldz, ldz, lt, Dv, rp, out + i);
+}
+
+HW_CPU_CLONES void projected_sum_sq_clone(const float* z, int64_t ldz, int64_t rows, const float* lt, int64_t Dv,
+                                          int64_t rp, float* out) {
+  projected_sum_sq(z, ldz, rows, lt, Dv, rp, out);
+}
+HW_CPU_CLONES void projected_sum_sq_clone(const double* z, int64_t ldz, int64_t rows, const double* lt, int64_t Dv,
+                                          int64_t rp, double* out) {
+  projected_sum_sq(z, ldz, rows, lt, Dv, rp, out);
 }
 
 // Per batch row: s[b] and alpha[b,h] = s[b] g[b,h] (g = 1 without a gate), and the
@@ -151,6 +215,56 @@ std::vector<Run> open_runs(const Coeffs& c, int64_t b, int64_t H, bool split_alp
   return runs;
 }
 
+// G[a0 + i, b0 + c] = sum_k W[k, a0 + i] W[k, b0 + c] for i < RA, c < W vectors, where
+// b0 + c <= a0 + i (the lower triangle): W [D, n] row-major fp64, k in order, the RA x W
+// sums in registers.
+template <int RA, int W>
+HW_CPU_INLINE void gram_block(const double* w, int64_t D, int64_t n, int64_t a0, int64_t b0, double* g) {
+  using V = cpu::vec_t<double>;
+  constexpr int L = cpu::Simd<double>::lanes;
+  V acc[RA][W];
+  for (int i = 0; i < RA; ++i)
+    for (int v = 0; v < W; ++v) acc[i][v] = cpu::vzero<double>();
+  for (int64_t k = 0; k < D; ++k) {
+    const double* row = w + k * n;
+    V bv[W];
+    for (int v = 0; v < W; ++v) bv[v] = cpu::vload(row + b0 + v * L);
+    for (int i = 0; i < RA; ++i) {
+      const double wa = row[a0 + i];
+      for (int v = 0; v < W; ++v) acc[i][v] += wa * bv[v];
+    }
+  }
+  for (int i = 0; i < RA; ++i) {
+    double lanes[W * L];
+    std::memcpy(lanes, acc[i], sizeof(lanes));
+    for (int c = 0; c < W * L && b0 + c <= a0 + i; ++c) g[(a0 + i) * n + b0 + c] = lanes[c];
+  }
+}
+
+// The lower triangle (and diagonal) of the Gram matrix G = W^T W [n, n] of one head,
+// W [D, n] row-major fp64 (fp32 weights widened: every product exact, the sums over k in
+// order); the entries above the diagonal are not written. Rows of G four at a time against
+// blocks of 4 or 1 vectors of columns; the last n % lanes columns by scalar sums.
+// FLOPs: about 2 D n^2 / 2 (the triangle, rounded up to whole blocks).
+HW_CPU_CLONES void gram_lower(const double* w, int64_t D, int64_t n, double* g) {
+  constexpr int L = cpu::Simd<double>::lanes;
+  const int64_t nv = n / L * L;  // columns in whole vectors
+  int64_t a0 = 0;
+  for (; a0 + 4 <= n; a0 += 4) {
+    int64_t b0 = 0;
+    for (; b0 + 4 * L <= nv && b0 <= a0 + 3; b0 += 4 * L) gram_block<4, 4>(w, D, n, a0, b0, g);
+    for (; b0 + L <= nv && b0 <= a0 + 3; b0 += L) gram_block<4, 1>(w, D, n, a0, b0, g);
+  }
+  for (; a0 < n; ++a0)
+    for (int64_t b0 = 0; b0 + L <= nv && b0 <= a0; b0 += L) gram_block<1, 1>(w, D, n, a0, b0, g);
+  for (int64_t b = nv; b < n; ++b)
+    for (int64_t a = b; a < n; ++a) {
+      double sum = 0;
+      for (int64_t k = 0; k < D; ++k) sum += w[k * n + a] * w[k * n + b];
+      g[a * n + b] = sum;
+    }
+}
+
 // Lower Cholesky factor L (G = L L^T) of a symmetric [n, n] fp64 matrix, in place of its
 // lower triangle (the upper triangle zeroed). False when a pivot is not clearly positive
 // (G numerically singular: the caller falls back to QR).
@@ -179,7 +293,7 @@ bool cholesky_lower(double* g, int64_t n) {
 // a non-finite weight gets R_h = 0 here; its out_norm comes from the product itself).
 std::pair<at::Tensor, std::vector<char>> norm_factors_t(const at::Tensor& wA, int64_t H) {
   const int64_t D = wA.size(0), Dv = wA.size(1) / H;
-  at::Tensor wh = wA.unflatten(1, {H, Dv}).permute({1, 0, 2}).to(at::kDouble);  // [H, D, Dv]
+  at::Tensor wh = wA.unflatten(1, {H, Dv}).permute({1, 0, 2}).to(at::kDouble).contiguous();  // [H, D, Dv]
   std::vector<char> w_finite(H, 1);
   auto qr_rt = [&](const at::Tensor& w) { return std::get<1>(at::linalg_qr(w, "r")).transpose(-2, -1); };
   if (wA.scalar_type() == at::kDouble || D < Dv) {
@@ -189,11 +303,15 @@ std::pair<at::Tensor, std::vector<char>> norm_factors_t(const at::Tensor& wA, in
       wh = at::where(finite.view({H, 1, 1}), wh, at::zeros({}, wh.options()));
     return {qr_rt(wh).contiguous(), w_finite};
   }
-  at::Tensor l = at::bmm(wh.transpose(1, 2), wh).contiguous();  // Gram [H, Dv, Dv], fp64
+  at::Tensor l = at::empty({H, Dv, Dv}, wh.options());  // Gram [H, Dv, Dv], fp64, then its factor
   std::vector<char> ok(H);
+  const double* whp = wh.data_ptr<double>();
   double* lp = l.data_ptr<double>();
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; ++h) ok[h] = cholesky_lower(lp + h * Dv * Dv, Dv);
+    for (int64_t h = h0; h < h1; ++h) {
+      gram_lower(whp + h * D * Dv, D, Dv, lp + h * Dv * Dv);
+      ok[h] = cholesky_lower(lp + h * Dv * Dv, Dv);
+    }
   });
   // A non-finite W_h makes its Gram matrix non-finite, so Cholesky fails there too: the
   // finiteness check runs only for the (rare) failed heads.
@@ -224,15 +342,22 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
   const bool direct = std::is_same_v<T, A> && (H == 1 || shh == Dv) && (Q == 1 || sq >= K);
   const int64_t ld_direct = Q == 1 ? K : sq;
 
-  // Per head, R_h^T [Dv, r] (row-major), for out_norm = ||z R_h^T||.
+  // Per head, R_h^T [Dv, r] in A, stored [Dv, rp] with zero columns up to rp (a whole
+  // number of vectors) and exact zeros above the diagonal, for out_norm = ||z R_h^T||.
   const int64_t r = std::min(D, Dv);
-  at::Tensor rt;
+  constexpr int64_t kLanes = cpu::Simd<A>::lanes;
+  const int64_t rp = (r + kLanes - 1) / kLanes * kLanes;
+  std::vector<A> lt;
   std::vector<char> w_finite;
-  const A* rtp = nullptr;
   if (stats) {
+    at::Tensor rt;
     std::tie(rt, w_finite) = norm_factors_t(wA, H);
-    rt = rt.to(c10::CppTypeToScalarType<A>::value);
-    rtp = rt.data_ptr<A>();
+    rt = rt.to(c10::CppTypeToScalarType<A>::value).contiguous();
+    const A* rtp = rt.data_ptr<A>();
+    lt.assign(static_cast<size_t>(H * Dv * rp), A(0));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < Dv; ++j)
+        for (int64_t c = 0; c <= std::min(j, r - 1); ++c) lt[(h * Dv + j) * rp + c] = rtp[(h * Dv + j) * r + c];
   }
   if (direct && !stats) {
     // No tiles: per run of open heads, one GEMM over every row of the batch rows that
@@ -275,7 +400,7 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
   at::parallel_for(0, B * qtiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<A> zs(direct ? 0 : static_cast<size_t>(kRows * K));
     std::vector<A> ys(std::is_same_v<T, A> ? 0 : static_cast<size_t>(kRows * D));
-    std::vector<A> tmp(stats ? static_cast<size_t>(H * kRows * r) : 0);
+    std::vector<A> osq(stats ? static_cast<size_t>(H * kRows) : 0);  // ||z_i R_h^T||^2 [H, rows]
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / qtiles, q0 = (t % qtiles) * kRows, rows = std::min(kRows, Q - q0);
       const std::vector<Run> runs = open_runs(co, b, H, /*split_alpha=*/true, false);
@@ -297,19 +422,9 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
         ldz = K;
       }
       if (stats) {
-        // tmp[h, i, :] = z[i, h] R_h^T: one batched GEMM over heads when every head of the
-        // row is open (closed heads' Z must not be read), else one GEMM per open head.
-        bool all_open = true;
-        for (int64_t h = 0; h < H; ++h) all_open = all_open && co.g[b * H + h] != 0.0;
-        if (all_open && H > 1) {
-          const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value).device(at::kCPU);
-          at::Tensor tv = at::from_blob(tmp.data(), {H, rows, r}, {rows * r, r, 1}, opts);
-          at::bmm_out(tv, at::from_blob(const_cast<A*>(zt), {H, rows, Dv}, {Dv, ldz, 1}, opts), rt);
-        } else {
-          for (int64_t h = 0; h < H; ++h)
-            if (co.g[b * H + h] != 0.0)
-              gemm(rows, r, Dv, A(1), zt + h * Dv, ldz, 1, rtp + h * Dv * r, r, 1, A(0), tmp.data() + h * rows * r, r);
-        }
+        for (int64_t h = 0; h < H; ++h)  // closed heads' Z is not read
+          if (co.g[b * H + h] != 0.0)
+            projected_sum_sq_clone(zt + h * Dv, ldz, rows, lt.data() + h * Dv * rp, Dv, rp, osq.data() + h * rows);
         for (int64_t h = 0; h < H; ++h) {
           const int64_t base = (b * Q + q0) * H + h;
           if (co.g[b * H + h] == 0.0) {
@@ -320,7 +435,7 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
             const A* zr = zt + i * ldz + h * Dv;
             const A zz = sum_sq(zr, Dv);
             zn[base + i * H] = static_cast<float>(std::sqrt(zz));
-            A oo = sum_sq(tmp.data() + (h * rows + i) * r, r);
+            A oo = osq[h * rows + i];
             if (!std::isfinite(zz) || !w_finite[h]) {
               // A z row whose sum of squares is not finite, or a non-finite W_h: the product
               // with W_h itself, as the reference forms it (z R_h^T would meet R_h's zeros as

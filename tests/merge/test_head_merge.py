@@ -278,6 +278,28 @@ def test_out_norm_with_rank_deficient_heads(host_backend, dtype):
         torch.testing.assert_close(st.out_norm[:, :, hh], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dv, d", [(37, 70), (64, 96), (80, 123), (37, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_out_norm_across_head_widths(host_backend, dv, d, dtype):
+    """out_norm against the explicit per-head product (fp64) at head widths around the CPU
+    kernel's vector blocks of its triangular factor (37, 64 and 80 columns, padded to 48,
+    64 and 80 in fp32), with d < dv (a QR factor of fewer columns than rows), q = 37 rows
+    (fours and a remainder) and a closed head. fp64 on the CPU backend only."""
+    if dtype == torch.float64 and host_backend.ns != "headwise":
+        pytest.skip("fp64 is a CPU-backend dtype")
+    gen = torch.Generator().manual_seed(8)
+    b, h, q = 2, 3, 37
+    z = torch.randn(b, h, q, dv, generator=gen, dtype=dtype)
+    w = torch.randn(d, h * dv, generator=gen, dtype=dtype) / dv ** 0.5
+    gate = torch.tensor([1.0, 0.0, 1.0], dtype=dtype)
+    _, st = host_backend.head_merge(z, w, head_gate=gate, return_stats=True)
+    for hh in range(h):
+        want = (z[:, hh].double() @ w[:, hh * dv : (hh + 1) * dv].double().t()).norm(dim=-1).float()
+        if gate[hh] == 0:
+            want = torch.zeros_like(want)
+        torch.testing.assert_close(st.out_norm[:, :, hh], want, rtol=2e-5, atol=1e-6)
+
+
 def test_transposed_view_is_read_in_place(host_backend):
     """z as a transposed view of [B, Q, H, Dv] memory: correct, grad_z in z's strides,
     and no [B, Q, H*Dv]-sized copy is made (peak extra memory below one z)."""
