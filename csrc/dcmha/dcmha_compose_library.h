@@ -32,14 +32,17 @@ struct ComposeViews {
     return w.select(2, c).narrow(1, 0, n).reshape({B, n, R, groups, hg});
   }
   at::Tensor grouped(const at::Tensor& t) const { return t.to(at::kFloat).view({B, groups, hg, T, S}); }
+  // The slot products pq = <A, W1q>_n and pk = <A, W1k>_n  [B, G, R, T, S].
+  at::Tensor pq() const { return at::einsum("bgnts,btrgn->bgrts", {A, w1q}); }
+  at::Tensor pk() const { return at::einsum("bgnts,bsrgn->bgrts", {A, w1k}); }
 };
 
-// The forward, with pq = <A, W1q>_n, pk = <A, W1k>_n  [B, G, R, T, S]:
+// The forward, with the slot products pq and pk (ComposeViews):
 //   Y = A (1 + Gq + Gk) + pq W2q + pk W2k, rounded once to out's dtype.
 inline void compose_forward_by_library(const at::Tensor& x, const at::Tensor& w1f, const at::Tensor& w2f,
                                        const at::Tensor& gf, int cq, int ck, int64_t groups, at::Tensor& out) {
   const ComposeViews v(x, w1f, w2f, gf, cq, ck, groups);
-  const at::Tensor pq = at::einsum("bgnts,btrgn->bgrts", {v.A, v.w1q}), pk = at::einsum("bgnts,bsrgn->bgrts", {v.A, v.w1k});
+  const at::Tensor pq = v.pq(), pk = v.pk();
   const at::Tensor y = v.A * (v.gq + v.gk + 1) + at::einsum("bgrts,btrgm->bgmts", {pq, v.w2q}) +
                        at::einsum("bgrts,bsrgm->bgmts", {pk, v.w2k});
   out.copy_(y.view({v.B, v.H, v.T, v.S}));
@@ -56,8 +59,9 @@ inline void compose_backward_by_library(const at::Tensor& x, const at::Tensor& d
                                         at::Tensor& da, at::Tensor& dw1, at::Tensor& dw2, at::Tensor& dg) {
   const ComposeViews v(x, w1f, w2f, gf, cq, ck, groups);
   const at::Tensor dY = v.grouped(dy);
-  const at::Tensor pq = at::einsum("bgnts,btrgn->bgrts", {v.A, v.w1q}), pk = at::einsum("bgnts,bsrgn->bgrts", {v.A, v.w1k});
-  const at::Tensor dq = at::einsum("bgmts,btrgm->bgrts", {dY, v.w2q}), dk = at::einsum("bgmts,bsrgm->bgrts", {dY, v.w2k});
+  const at::Tensor pq = v.pq(), pk = v.pk();
+  const at::Tensor dq = at::einsum("bgmts,btrgm->bgrts", {dY, v.w2q});
+  const at::Tensor dk = at::einsum("bgmts,bsrgm->bgrts", {dY, v.w2k});
   const at::Tensor da32 = dY * (v.gq + v.gk + 1) + at::einsum("bgrts,btrgn->bgnts", {dq, v.w1q}) +
                           at::einsum("bgrts,bsrgn->bgnts", {dk, v.w1k});
   da.copy_(da32.view({v.B, v.H, v.T, v.S}));
