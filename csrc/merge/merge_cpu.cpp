@@ -13,8 +13,8 @@
 //     rescale cost one GEMM per run of open heads.
 //   - stats: z_norm from the tile's rows; out_norm through a triangular factor R_h
 //     [r, Dv] of each head's block, R_h^T R_h = W_h^T W_h (r = min(D, Dv)), formed once
-//     per call: ||z W_h^T|| = ||z R_h^T||, i.e. at most Q*Dv*r extra multiply-adds per
-//     head instead of Q*Dv*D and no [B, Q, H, D] tensor (projected_sum_sq: register
+//     per call: ||z W_h^T|| = ||z R_h^T||, i.e. about Q*Dv*r extra multiply-adds per
+//     head (r rounded up to whole vectors) instead of Q*Dv*D and no [B, Q, H, D] tensor (projected_sum_sq: register
 //     blocks that skip R_h's zero triangle, nothing stored but the row's sum of squares;
 //     the Gram matrices by gram_lower, their lower triangles, in fp64 from fp32 weights,
 //     whose products are exact). A sum of squares, so no cancellation: a head whose
@@ -100,7 +100,8 @@ A sum_sq(const A* x, int64_t n) {
 // out[i] = ||z_i L||^2 for the `rows` rows z_i = z[i * ldz, + Dv) of one head, where
 // L = lt [Dv, rp] (row-major, R_h^T) is lower-trapezoidal, L[j, c] = 0 for c > j, with
 // zero columns padding r to rp, a whole number of vectors. Rows go R at a time and the
-// product's columns in blocks of W vectors, the R x W sums in registers; a block of
+// product's columns in blocks of W vectors, the R x W sums in registers (AVX-512; the
+// narrower clones spill some); a block of
 // columns from c0 on reads L's rows j >= c0 only (the rows above are zero there), which
 // saves a quarter of the FLOPs at Dv = r = 64. Each row's squares are added lane-wise
 // block after block and then over lanes (cpu::hsum): a fixed order.
@@ -217,7 +218,7 @@ std::vector<Run> open_runs(const Coeffs& c, int64_t b, int64_t H, bool split_alp
 
 // G[a0 + i, b0 + c] = sum_k W[k, a0 + i] W[k, b0 + c] for i < RA, c < W vectors, where
 // b0 + c <= a0 + i (the lower triangle): W [D, n] row-major fp64, k in order, the RA x W
-// sums in registers.
+// sums in registers (AVX-512; the narrower clones spill some).
 template <int RA, int W>
 HW_CPU_INLINE void gram_block(const double* w, int64_t D, int64_t n, int64_t a0, int64_t b0, double* g) {
   using V = cpu::vec_t<double>;

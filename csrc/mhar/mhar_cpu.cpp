@@ -70,10 +70,11 @@ struct Call {
 // Prefetches the n elements at p into L2 (prefetcht1): the rows kPrefetchAhead positions
 // on. The rows of one position lie N_max apart in memory, more streams than the hardware
 // prefetcher follows (and a 4 KiB row is a page, where it stops), and the kernels are bound
-// by these reads. Into L2, not L1: the current position's N rows (36 KiB at N = 9, d =
-// 1024) are re-read from L1 by the second pass, and prefetches into L1 evicted them (on the
-// 2-core AMD EPYC test VM, the forward at T = 512 took 3.9-4.6 ms on one thread with
-// prefetcht0 one position ahead and 3.1-3.2 ms with this; bench/RESULTS.md, 2026-12-08).
+// by these reads. Into L2, not L1: the second pass re-reads the current position's N
+// rows (36 KiB at N = 9, d = 1024, fp32) from L1 and L2, and prefetches into L1 evicted
+// them (on the 2-core AMD EPYC test VM, the forward at T = 512 took 3.9-4.6 ms on one
+// thread with prefetcht0 one position ahead and 3.1-3.2 ms with this; bench/RESULTS.md,
+// 2026-12-08).
 constexpr int64_t kPrefetchAhead = 2;
 template <typename T>
 HW_CPU_INLINE void prefetch_row(const T* p, int64_t n) {
@@ -93,9 +94,9 @@ HW_CPU_INLINE const T* position_rows(const Call& c, int64_t pos) {
 }
 
 // out[k] = T(gate * sum_{j < N} w[j] rows[j][o + k] (+ res[k])) for k < n, the sum over
-// sources in order j, innermost: each block of 4 vectors stays in registers across the N
-// rows (re-read from cache), where an accumulator in memory would be loaded and stored
-// once per row.
+// sources in order j, innermost: each block of 4 vectors stays in registers (AVX-512)
+// across the N rows (re-read from cache), where an accumulator in memory would be loaded
+// and stored once per row.
 template <typename T, typename A>
 HW_CPU_INLINE void weighted_sum_store(const A* const* rows, int64_t o, const A* w, int64_t N, A gate,
                                       const T* __restrict res, T* __restrict out, int64_t n) {
@@ -163,7 +164,7 @@ HW_CPU_INLINE void forward_positions(const Call& c, int64_t p0, int64_t p1) {
   const A gate = static_cast<A>(c.gate);
   A* w = static_cast<A*>(c.weights);
   constexpr bool widen = !std::is_same_v<T, A>;
-  // gq = g q (fp32 path); logit [N, H]; wh [N]: one head's weights; the rows widened to A
+  // gq = g q (T == A: fp32, fp64); logit [N, H]; wh [N]: one head's weights; the rows widened to A
   // (narrow dtypes) for the second pass.
   std::vector<A> buf(d + N * H + N + (widen ? N * d : 0));
   A* gq = buf.data();
