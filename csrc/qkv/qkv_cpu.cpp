@@ -5,6 +5,7 @@
 // fixed chunks of kChunk rows; the norm-weight gradients are summed per chunk and then
 // over chunks in order, so results do not depend on the number of threads.
 #include "../common/cpu_convert.h"
+#include "../common/cpu_simd.h"
 #include "../common/op_range.h"
 #include "../common/outputs.h"
 #include "qkv_args.h"
@@ -59,7 +60,7 @@ struct Call {
 // Rotary forward over the leading `rot` dims of y (n >= rot), the rest copied:
 // o = rotate(y) (pairs and formula: RopeStyle in qkv_args.h).
 template <typename A>
-inline void rope_forward(const A* __restrict y, A* __restrict o, const A* __restrict cs, const A* __restrict sn,
+HW_CPU_INLINE void rope_forward(const A* __restrict y, A* __restrict o, const A* __restrict cs, const A* __restrict sn,
                          int64_t n, int64_t rot, bool interleaved) {
   const int64_t half = rot / 2;
   if (!interleaved) {
@@ -79,7 +80,7 @@ inline void rope_forward(const A* __restrict y, A* __restrict o, const A* __rest
 // Transpose of rope_forward: for a pair (lo, hi),
 // o[lo] = g[lo] c[lo] + g[hi] s[hi],  o[hi] = g[hi] c[hi] - g[lo] s[lo].
 template <typename A>
-inline void rope_backward(const A* __restrict g, A* __restrict o, const A* __restrict cs, const A* __restrict sn,
+HW_CPU_INLINE void rope_backward(const A* __restrict g, A* __restrict o, const A* __restrict cs, const A* __restrict sn,
                           int64_t n, int64_t rot, bool interleaved) {
   const int64_t half = rot / 2;
   if (!interleaved) {
@@ -98,19 +99,21 @@ inline void rope_backward(const A* __restrict g, A* __restrict o, const A* __res
 
 // y[j] = packed[j] in the accumulation type
 template <typename T, typename A>
-inline void load_row(const T* __restrict src, A* __restrict y, int64_t n) {
+HW_CPU_INLINE void load_row(const T* __restrict src, A* __restrict y, int64_t n) {
   for (int64_t j = 0; j < n; ++j) y[j] = static_cast<A>(src[j]);
 }
 
+// 1 / sqrt(mean_j y[j]^2 + eps), the sum in cpu::sums' fixed order (vector lanes, then a
+// halving tree): a sequential sum would be a chain of n dependent adds per head row.
 template <typename A>
-inline A rms_scale(const A* __restrict y, int64_t n, A eps) {
-  A ss = 0;
-  for (int64_t j = 0; j < n; ++j) ss += y[j] * y[j];
-  return A(1) / std::sqrt(ss / static_cast<A>(n) + eps);
+HW_CPU_INLINE A rms_scale(const A* __restrict y, int64_t n, A eps) {
+  A ss[1];
+  cpu::sums<1>(n, [&](auto ld, auto& t) { t[0] = ld(y) * ld(y); }, ss);
+  return A(1) / std::sqrt(ss[0] / static_cast<A>(n) + eps);
 }
 
 template <typename T, typename A>
-void forward_rows(const Call<T, A>& c, int64_t m0, int64_t m1) {
+HW_CPU_INLINE void forward_rows(const Call<T, A>& c, int64_t m0, int64_t m1) {
   const Shape& s = c.s;
   const int64_t wmax = std::max(s.d, s.dv);
   std::vector<A> buf(2 * wmax);
@@ -145,7 +148,7 @@ void forward_rows(const Call<T, A>& c, int64_t m0, int64_t m1) {
 // Backward of the epilogue for the rows of chunk `chunk`: grad_packed rows and the
 // chunk's norm-weight partial [2, d] (q_norm then k_norm).
 template <typename T, typename A>
-void backward_chunk(const Call<T, A>& c, int64_t chunk) {
+HW_CPU_INLINE void backward_chunk(const Call<T, A>& c, int64_t chunk) {
   const Shape& s = c.s;
   const int64_t m0 = chunk * kChunk, m1 = std::min(s.tokens(), m0 + kChunk);
   const int64_t wmax = std::max(s.d, s.dv);
@@ -175,13 +178,13 @@ void backward_chunk(const Call<T, A>& c, int64_t chunk) {
         load_row(c.packed + m * s.rows + off, y, n);
         const A inv = rms_scale(y, n, c.eps);
         A* pw = part + (r == kQ ? 0 : s.d);
-        A dot = 0;
         for (int64_t j = 0; j < n; ++j) {
           pw[j] += g[j] * cpu::round_to<T>(y[j] * inv);
           g[j] *= w[j];
-          dot += g[j] * y[j];
         }
-        const A k = inv * inv * inv * dot / static_cast<A>(n);
+        A dot[1];
+        cpu::sums<1>(n, [&](auto ld, auto& t) { t[0] = ld(g) * ld(y); }, dot);
+        const A k = inv * inv * inv * dot[0] / static_cast<A>(n);
         for (int64_t j = 0; j < n; ++j) g[j] = inv * g[j] - k * y[j];
       }
       T* dst = grow + off;
@@ -192,6 +195,21 @@ void backward_chunk(const Call<T, A>& c, int64_t chunk) {
 
 template <typename T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// The entries the parallel tasks call, one per dtype, multi-versioned (HW_CPU_CLONES):
+// everything above them is force-inlined into each clone.
+#define HW_QKV_CPU_ENTRIES(T)                                                                  \
+  HW_CPU_CLONES void forward_rows_clone(const Call<T, acc_t<T>>& c, int64_t m0, int64_t m1) { \
+    forward_rows(c, m0, m1);                                                                   \
+  }                                                                                            \
+  HW_CPU_CLONES void backward_chunk_clone(const Call<T, acc_t<T>>& c, int64_t chunk) {         \
+    backward_chunk(c, chunk);                                                                  \
+  }
+HW_QKV_CPU_ENTRIES(float)
+HW_QKV_CPU_ENTRIES(double)
+HW_QKV_CPU_ENTRIES(c10::BFloat16)
+HW_QKV_CPU_ENTRIES(c10::Half)
+#undef HW_QKV_CPU_ENTRIES
 
 template <typename F>
 void dispatch_cpu_dtype(at::ScalarType dt, const char* op, F&& f) {
@@ -258,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> project_cpu(
     c.out[0] = q.data_ptr<T>();
     c.out[1] = k.data_ptr<T>();
     c.out[2] = v.data_ptr<T>();
-    at::parallel_for(0, s.tokens(), kChunk, [&](int64_t m0, int64_t m1) { forward_rows(c, m0, m1); });
+    at::parallel_for(0, s.tokens(), kChunk, [&](int64_t m0, int64_t m1) { forward_rows_clone(c, m0, m1); });
   });
   return {q, k, v, s.any_norm() ? packed : at::empty({0}, x.options())};
 }
@@ -299,7 +317,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> project_b
     c.grad_packed = G.data_ptr<T>();
     c.partial = partial.data_ptr<A>();
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-      for (int64_t i = c0; i < c1; ++i) backward_chunk(c, i);
+      for (int64_t i = c0; i < c1; ++i) backward_chunk_clone(c, i);
     });
     // Chunks in order: the same sum for any thread count.
     A* total = norm_sum.data_ptr<A>();
