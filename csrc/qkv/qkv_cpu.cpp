@@ -104,7 +104,8 @@ HW_CPU_INLINE void load_row(const T* __restrict src, A* __restrict y, int64_t n)
 }
 
 // 1 / sqrt(mean_j y[j]^2 + eps), the sum in cpu::sums' fixed order (vector lanes, then a
-// halving tree): a sequential sum would be a chain of n dependent adds per head row.
+// halving tree; in order for rows narrower than one vector): a sequential sum would be a
+// chain of n dependent adds per head row.
 template <typename A>
 HW_CPU_INLINE A rms_scale(const A* __restrict y, int64_t n, A eps) {
   A ss[1];
@@ -196,8 +197,8 @@ HW_CPU_INLINE void backward_chunk(const Call<T, A>& c, int64_t chunk) {
 template <typename T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// The entries the parallel tasks call, one per dtype, multi-versioned (HW_CPU_CLONES):
-// everything above them is force-inlined into each clone.
+// The entries the parallel tasks call, one per dtype, multi-versioned (HW_CPU_CLONES): the
+// HW_CPU_INLINE functions above are compiled into each clone.
 #define HW_QKV_CPU_ENTRIES(T)                                                                  \
   HW_CPU_CLONES void forward_rows_clone(const Call<T, acc_t<T>>& c, int64_t m0, int64_t m1) { \
     forward_rows(c, m0, m1);                                                                   \
