@@ -14,10 +14,10 @@
 //   - stats: z_norm from the tile's rows; out_norm through a triangular factor R_h
 //     [r, Dv] of each head's block, R_h^T R_h = W_h^T W_h (r = min(D, Dv)), formed once
 //     per call: ||z W_h^T|| = ||z R_h^T||, i.e. about Q*Dv*r extra multiply-adds per
-//     head (r rounded up to whole vectors) instead of Q*Dv*D and no [B, Q, H, D] tensor (projected_sum_sq: register
-//     blocks that skip R_h's zero triangle, nothing stored but the row's sum of squares;
-//     the Gram matrices by gram_lower, their lower triangles, in fp64 from fp32 weights,
-//     whose products are exact). A sum of squares, so no cancellation: a head whose
+//     head (r rounded up to whole vectors) instead of Q*Dv*D and no [B, Q, H, D] tensor
+//     (projected_sum_sq: register blocks that skip R_h's zero triangle, nothing stored
+//     but the row's sum of squares; the Gram matrices by gram_lower, their lower
+//     triangles, in fp64 from fp32 weights, whose products are exact). A sum of squares, so no cancellation: a head whose
 //     contribution is tiny relative to ||z|| ||W_h|| keeps its relative accuracy (the
 //     fp32 Gram form z^T (W_h^T W_h) z would not). R_h is the Cholesky factor of the
 //     Gram matrix formed in fp64 (fp32 weights; rounded to fp32 afterwards: as accurate
@@ -101,9 +101,8 @@ A sum_sq(const A* x, int64_t n) {
 // L = lt [Dv, rp] (row-major, R_h^T) is lower-trapezoidal, L[j, c] = 0 for c > j, with
 // zero columns padding r to rp, a whole number of vectors. Rows go R at a time and the
 // product's columns in blocks of W vectors, the R x W sums in registers (AVX-512; the
-// narrower clones spill some); a block of
-// columns from c0 on reads L's rows j >= c0 only (the rows above are zero there), which
-// saves a quarter of the FLOPs at Dv = r = 64. Each row's squares are added lane-wise
+// narrower clones spill some); a block of columns from c0 on reads L's rows j >= c0 only
+// (the rows above are zero there), which saves a quarter of the FLOPs at Dv = r = 64. Each row's squares are added lane-wise
 // block after block and then over lanes (cpu::hsum): a fixed order.
 // FLOPs per row: 2 sum over blocks of (Dv - c0) * W * lanes; at Dv = 64 in fp32 that is
 // 3072 multiply-adds, against 4096 for a dense z R^T and 32768 for z W_h^T at D = 512.
@@ -401,7 +400,7 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
   at::parallel_for(0, B * qtiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<A> zs(direct ? 0 : static_cast<size_t>(kRows * K));
     std::vector<A> ys(std::is_same_v<T, A> ? 0 : static_cast<size_t>(kRows * D));
-    std::vector<A> osq(stats ? static_cast<size_t>(H * kRows) : 0);  // ||z_i R_h^T||^2 [H, rows]
+    std::vector<A> osq(stats ? static_cast<size_t>(kRows) : 0);  // one head's ||z_i R_h^T||^2 [rows]
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / qtiles, q0 = (t % qtiles) * kRows, rows = std::min(kRows, Q - q0);
       const std::vector<Run> runs = open_runs(co, b, H, /*split_alpha=*/true, false);
@@ -423,20 +422,18 @@ void forward_impl(const at::Tensor& z, const at::Tensor& wA, const c10::optional
         ldz = K;
       }
       if (stats) {
-        for (int64_t h = 0; h < H; ++h)  // closed heads' Z is not read
-          if (co.g[b * H + h] != 0.0)
-            projected_sum_sq_clone(zt + h * Dv, ldz, rows, lt.data() + h * Dv * rp, Dv, rp, osq.data() + h * rows);
         for (int64_t h = 0; h < H; ++h) {
           const int64_t base = (b * Q + q0) * H + h;
-          if (co.g[b * H + h] == 0.0) {
+          if (co.g[b * H + h] == 0.0) {  // a closed head's Z is not read
             for (int64_t i = 0; i < rows; ++i) zn[base + i * H] = on[base + i * H] = 0.f;
             continue;
           }
+          projected_sum_sq_clone(zt + h * Dv, ldz, rows, lt.data() + h * Dv * rp, Dv, rp, osq.data());
           for (int64_t i = 0; i < rows; ++i) {
             const A* zr = zt + i * ldz + h * Dv;
             const A zz = sum_sq(zr, Dv);
             zn[base + i * H] = static_cast<float>(std::sqrt(zz));
-            A oo = osq[h * rows + i];
+            A oo = osq[i];
             if (!std::isfinite(zz) || !w_finite[h]) {
               // A z row whose sum of squares is not finite, or a non-finite W_h: the product
               // with W_h itself, as the reference forms it (z R_h^T would meet R_h's zeros as

@@ -164,8 +164,8 @@ HW_CPU_INLINE void forward_positions(const Call& c, int64_t p0, int64_t p1) {
   const A gate = static_cast<A>(c.gate);
   A* w = static_cast<A*>(c.weights);
   constexpr bool widen = !std::is_same_v<T, A>;
-  // gq = g q (T == A: fp32, fp64); logit [N, H]; wh [N]: one head's weights; the rows widened to A
-  // (narrow dtypes) for the second pass.
+  // gq = g q (T == A: fp32, fp64); logit [N, H]; wh [N]: one head's weights; the rows
+  // widened to A (narrow dtypes) for the second pass.
   std::vector<A> buf(d + N * H + N + (widen ? N * d : 0));
   A* gq = buf.data();
   A* logit = gq + d;
@@ -265,8 +265,9 @@ HW_CPU_INLINE void backward_chunk(const Call& c, int64_t chunk) {
     const int64_t wstride = c.positions * H;
     const A* dout = as_acc(static_cast<const T*>(c.grad_out) + pos * d, doutbuf, d);
     std::fill(coupling, coupling + H, A(0));
-    const T* src_next = position_rows<T>(c, position_ahead(pos, p1));
-    prefetch_row(static_cast<const T*>(c.grad_out) + position_ahead(pos, p1) * d, d);
+    const int64_t ahead = position_ahead(pos, p1);
+    const T* src_next = position_rows<T>(c, ahead);
+    prefetch_row(static_cast<const T*>(c.grad_out) + ahead * d, d);
     for (int64_t n = 0; n < N; ++n) {  // pass 1: r_n, a[n, h], b[n, h], S_h in one read
       const A* x = as_acc(src + n * c.sn, xbuf, d);
       prefetch_row(src_next + n * c.sn, d);

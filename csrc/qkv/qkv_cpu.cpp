@@ -60,8 +60,8 @@ struct Call {
 // Rotary forward over the leading `rot` dims of y (n >= rot), the rest copied:
 // o = rotate(y) (pairs and formula: RopeStyle in qkv_args.h).
 template <typename A>
-HW_CPU_INLINE void rope_forward(const A* __restrict y, A* __restrict o, const A* __restrict cs, const A* __restrict sn,
-                         int64_t n, int64_t rot, bool interleaved) {
+HW_CPU_INLINE void rope_forward(const A* __restrict y, A* __restrict o, const A* __restrict cs,
+                                const A* __restrict sn, int64_t n, int64_t rot, bool interleaved) {
   const int64_t half = rot / 2;
   if (!interleaved) {
     for (int64_t p = 0; p < half; ++p) {
@@ -80,8 +80,8 @@ HW_CPU_INLINE void rope_forward(const A* __restrict y, A* __restrict o, const A*
 // Transpose of rope_forward: for a pair (lo, hi),
 // o[lo] = g[lo] c[lo] + g[hi] s[hi],  o[hi] = g[hi] c[hi] - g[lo] s[lo].
 template <typename A>
-HW_CPU_INLINE void rope_backward(const A* __restrict g, A* __restrict o, const A* __restrict cs, const A* __restrict sn,
-                          int64_t n, int64_t rot, bool interleaved) {
+HW_CPU_INLINE void rope_backward(const A* __restrict g, A* __restrict o, const A* __restrict cs,
+                                 const A* __restrict sn, int64_t n, int64_t rot, bool interleaved) {
   const int64_t half = rot / 2;
   if (!interleaved) {
     for (int64_t p = 0; p < half; ++p) {
